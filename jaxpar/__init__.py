@@ -1,0 +1,1 @@
+"""jaxpar: write a model once with logical axis names, run it under any parallelism layout."""

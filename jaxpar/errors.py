@@ -1,0 +1,21 @@
+"""User-facing error types.
+
+Every error jaxpar raises for bad input is a ``JaxparError``: it names the offending value and
+says how to fix it, and it is raised before any device memory is touched.
+"""
+
+
+class JaxparError(ValueError):
+    """Base class: bad input from the user, with the culprit and the fix in the message."""
+
+
+class TopologyError(JaxparError):
+    """An unknown topology name, or a malformed topology file."""
+
+
+class SpecError(JaxparError):
+    """A parallel spec that cannot be built on the devices at hand."""
+
+
+class LayoutError(JaxparError):
+    """Rules that conflict, or a tensor that the layout cannot shard."""

@@ -1,0 +1,7 @@
+"""Test set-up: 8 simulated CPU devices, set before JAX initialises."""
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
