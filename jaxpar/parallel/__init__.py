@@ -1,0 +1,103 @@
+"""Strategies: a parallel spec plus options, composed into one ``Layout``.
+
+A strategy string names mesh-axis degrees and options, e.g.::
+
+    "fsdp=4,tensor=2"              FSDP (ZeRO-3) x Megatron TP
+    "fsdp=8,zero=1"                ZeRO-1 over 8 devices
+    "data=2,fsdp=4"                HSDP: shard inside groups of 4, replicate across 2 groups
+    "data=2,tensor=4,sp=on"        DP x TP with sequence parallelism
+    "fsdp=8,regather=on"           FSDP that gathers weights again for the backward pass
+
+Each strategy lives in its own file (data.py, fsdp.py, hsdp.py, tensor.py, sequence.py) with its
+rules and its analytic traffic; this module composes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar import mesh as mesh_lib
+from jaxpar.errors import SpecError
+from jaxpar.parallel import data, fsdp, sequence, tensor
+from jaxpar.rules import LOGICAL_AXES, Layout
+
+_OPTIONS = ("zero", "sp", "regather")
+_TRUE, _FALSE = {"on", "1", "true", "yes"}, {"off", "0", "false", "no"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    spec: mesh_lib.ParallelSpec
+    zero_stage: int = 3
+    sequence_parallel: bool = False
+    regather: bool = False
+
+    def __str__(self) -> str:
+        parts = [str(self.spec)]
+        if self.spec.degrees["fsdp"] > 1 and self.zero_stage != 3:
+            parts.append(f"zero={self.zero_stage}")
+        if self.sequence_parallel:
+            parts.append("sp=on")
+        if self.regather:
+            parts.append("regather=on")
+        return ",".join(parts)
+
+
+def _flag(key: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise SpecError(f"option {key}={value!r}: use on or off")
+
+
+def parse_strategy(text: str, num_devices: int) -> Strategy:
+    """Parse ``"data=2,fsdp=-1,tensor=2,zero=3,sp=off"`` for ``num_devices`` devices."""
+    axes, options = [], {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key = part.partition("=")[0].strip()
+        if key in _OPTIONS:
+            options[key] = part.partition("=")[2]
+        else:
+            axes.append(part)
+    spec = mesh_lib.parse_spec(",".join(axes), num_devices) if axes else mesh_lib.parse_spec({"data": -1}, num_devices)
+    zero = 3
+    if "zero" in options:
+        try:
+            zero = fsdp.check_stage(int(options["zero"]))
+        except ValueError:
+            raise SpecError(f"option zero={options['zero']!r}: use 1, 2 or 3") from None
+        if spec.degrees["fsdp"] == 1:
+            raise SpecError(f"zero={zero} shards over the fsdp axis, but strategy {text!r} has fsdp=1; add e.g. fsdp=-1")
+    sp = _flag("sp", options["sp"]) if "sp" in options else False
+    if sp and spec.degrees["tensor"] == 1:
+        raise SpecError(f"sp=on splits the sequence over the tensor axis, but strategy {text!r} has tensor=1; add tensor=N")
+    regather = _flag("regather", options["regather"]) if "regather" in options else False
+    return Strategy(spec, zero, sp, regather)
+
+
+def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_rules=None) -> Layout:
+    """Compose the strategies' rules into a Layout over ``devices`` (default: all JAX devices).
+
+    ``extra_rules`` adds compute rules for logical axes of a user's own model (stored the same way).
+    """
+    mesh = mesh_lib.make_mesh(strategy.spec, devices, num_slices)
+    # Compute mapping: batch over every data-parallel axis, Megatron dims over tensor.
+    compute = {name: () for name in LOGICAL_AXES}
+    compute["batch"] = data.BATCH_AXES + ("fsdp",)
+    compute["length"] = ("context",)
+    compute["residual_length"] = ("context",) + (("tensor",) if strategy.sequence_parallel else ())
+    for name in tensor.LOGICAL_AXES:
+        compute[name] = ("tensor",)
+    compute["experts"] = ("expert",)
+    compute.update(extra_rules or {})
+    # Stored mappings: as computed, plus embed over fsdp where the ZeRO stage says so.
+    sharded = fsdp.mappings(strategy.zero_stage) if strategy.spec.degrees["fsdp"] > 1 else {}
+    stored = {}
+    for mapping in ("param", "optimizer", "grad"):
+        rules = {name: axes for name, axes in compute.items() if name not in ("batch", "length", "residual_length")}
+        if sharded.get(mapping):
+            rules[fsdp.SHARDED_LOGICAL_AXIS] = rules[fsdp.SHARDED_LOGICAL_AXIS] + ("fsdp",)
+        stored[mapping] = rules
+    return Layout(mesh, compute, stored["param"], stored["optimizer"], stored["grad"], regather=strategy.regather)

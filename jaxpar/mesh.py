@@ -1,0 +1,137 @@
+"""Parallel specs -> jax Mesh.
+
+A parallel spec gives the degree of each canonical mesh axis, e.g. ``"data=2,fsdp=-1,tensor=2"``;
+``-1`` fills the rest of the devices (as in MaxText). On a multi-slice (or multi-node) topology the
+degrees are split into an ICI part (inside a slice) and a DCN part (across slices): only the axes
+in ``DCN_AXES`` may cross DCN, and the mesh gets the hybrid ICI x DCN device order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+from jaxpar.errors import SpecError
+
+
+class MeshAxis(str, enum.Enum):
+    """Canonical mesh axes, outermost (slowest links) first; ``tensor`` is innermost."""
+
+    STAGE = "stage"
+    DATA = "data"
+    FSDP = "fsdp"
+    EXPERT = "expert"
+    CONTEXT = "context"
+    TENSOR = "tensor"
+
+
+AXES: tuple[str, ...] = tuple(a.value for a in MeshAxis)
+# Axes whose traffic is light enough to cross the slow links between slices or nodes.
+DCN_AXES = frozenset({"stage", "data"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSpec:
+    """Degree of every canonical axis (1 where the spec did not name it)."""
+
+    degrees: dict[str, int]
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.degrees.values())
+
+    def __str__(self) -> str:
+        named = [f"{a}={d}" for a, d in self.degrees.items() if d > 1]
+        return ",".join(named) or "data=1"
+
+
+def parse_spec(spec: str | dict[str, int], num_devices: int) -> ParallelSpec:
+    """Parse ``"data=2,fsdp=-1,tensor=2"`` (or a dict) into degrees whose product is ``num_devices``."""
+    if isinstance(spec, str):
+        items = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep:
+                raise SpecError(f"spec entry {part!r} has no degree: write it as '{key}=N' (N, or -1 to fill)")
+            try:
+                items[key] = int(value)
+            except ValueError:
+                raise SpecError(f"spec entry {part!r}: degree {value!r} is not an integer") from None
+    else:
+        items = dict(spec)
+    unknown = [k for k in items if k not in AXES]
+    if unknown:
+        raise SpecError(f"unknown mesh axis {unknown[0]!r} in spec {spec!r}; the axes are {', '.join(AXES)}")
+    fills = [k for k, v in items.items() if v == -1]
+    if len(fills) > 1:
+        raise SpecError(f"spec {spec!r} has -1 on {fills}; only one axis may fill the remaining devices")
+    bad = [k for k, v in items.items() if v == 0 or v < -1]
+    if bad:
+        raise SpecError(f"axis {bad[0]!r} in spec {spec!r} has degree {items[bad[0]]}; use a positive degree or -1")
+    fixed = math.prod(v for v in items.values() if v != -1)
+    if fills:
+        if num_devices % fixed:
+            raise SpecError(
+                f"spec {spec!r}: the fixed degrees multiply to {fixed}, which does not divide the "
+                f"{num_devices} devices, so '{fills[0]}=-1' cannot fill the rest"
+            )
+        items[fills[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise SpecError(
+            f"spec {spec!r} multiplies to {fixed} devices but {num_devices} are available; "
+            f"change a degree or put -1 on one axis to fill the rest"
+        )
+    return ParallelSpec({a: items.get(a, 1) for a in AXES})
+
+
+def split_ici_dcn(spec: ParallelSpec, num_slices: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Split the degrees into (ICI, DCN) parts: DCN takes ``num_slices`` from the DCN-capable axes.
+
+    The outermost DCN-capable axes take the slices first. Raises when the slices cannot be covered
+    by those axes, saying which axis would have to cross DCN.
+    """
+    ici, dcn = dict(spec.degrees), {a: 1 for a in AXES}
+    remaining = num_slices
+    for axis in AXES:
+        if remaining == 1:
+            break
+        if axis in DCN_AXES and ici[axis] > 1:
+            take = math.gcd(ici[axis], remaining)
+            ici[axis] //= take
+            dcn[axis] = take
+            remaining //= take
+    if remaining != 1:
+        raise SpecError(
+            f"spec {spec} cannot span {num_slices} slices: only {sorted(DCN_AXES)} may cross the slow "
+            f"links between slices, and their degrees do not cover {num_slices}. Give 'data' (or "
+            f"'stage') a degree that is a multiple of {num_slices}, e.g. data={num_slices}"
+        )
+    return ici, dcn
+
+
+def make_mesh(spec: ParallelSpec, devices=None, num_slices: int = 1):
+    """Build a ``jax.sharding.Mesh`` over the canonical axes (all of them, degree 1 where unused).
+
+    With ``num_slices > 1`` the device order is hybrid: the DCN part of each axis is outermost, so
+    that every ICI group lies inside one slice.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    devices = list(jax.devices() if devices is None else devices)
+    if spec.num_devices != len(devices):
+        raise SpecError(f"spec {spec} needs {spec.num_devices} devices but {len(devices)} were given")
+    shape = tuple(spec.degrees[a] for a in AXES)
+    if num_slices > 1:
+        from jax.experimental import mesh_utils
+
+        ici, dcn = split_ici_dcn(spec, num_slices)
+        grid = mesh_utils.create_hybrid_device_mesh(
+            [ici[a] for a in AXES], [dcn[a] for a in AXES], devices=devices, allow_split_physical_axes=True
+        )
+    else:
+        grid = np.array(devices, dtype=object).reshape(shape)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -1,0 +1,312 @@
+"""Logical rules, layouts, and the few layout-aware calls a model makes.
+
+A model names the dims of its weights and activations with *logical* axes (``batch``, ``embed``,
+``mlp``...). A ``Layout`` is a mesh plus rules (logical axis -> mesh axes) in four mappings:
+
+- ``compute``: how activations, and weights while in use, are laid out;
+- ``param``: how weights are stored (FSDP/ZeRO-3 shards ``embed`` over ``fsdp`` here);
+- ``optimizer``: how optimizer state is stored (ZeRO-1 and up shard it);
+- ``grad``: how the gradient accumulation buffer is kept (ZeRO-2 and up shard it).
+
+The training step runs the model inside one ``shard_map`` over every mesh axis ("manual" mode), so
+each collective is placed on purpose: a model never imports a mesh, it calls ``constrain``,
+``regather``, ``reduce_partial`` and ``gather_params`` with logical names, and the active layout
+turns those into collectives (or into nothing on one device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.errors import LayoutError
+
+Rules = Mapping[str, tuple[str, ...]]
+Names = Sequence[str | None]
+
+# Logical axes every jaxpar model may use, each with what it names.
+LOGICAL_AXES = {
+    "batch": "examples in a batch",
+    "length": "positions inside attention and MLP blocks",
+    "residual_length": "positions in the residual stream (norms, residual adds)",
+    "embed": "model width",
+    "mlp": "MLP hidden width",
+    "heads": "query heads",
+    "kv_heads": "key/value heads",
+    "head_dim": "width of one head",
+    "vocab": "vocabulary",
+    "experts": "experts of a mixture-of-experts layer",
+    "layers": "stacked layers (scanned)",
+}
+
+GATHERED = "gathered_params"  # checkpoint name of weights gathered for compute (FSDP policies use it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh plus the four mappings; everything needed to turn logical names into shardings."""
+
+    mesh: jax.sharding.Mesh
+    compute: Rules
+    param: Rules
+    optimizer: Rules
+    grad: Rules
+    regather: bool = False  # FSDP: gather weights again in the backward pass instead of keeping them
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """Mesh axes the batch is split over: gradients are summed over these."""
+        return self._live(self.compute.get("batch", ()))
+
+    def _live(self, axes: Sequence[str]) -> tuple[str, ...]:
+        # Axes of degree 1 change nothing; leaving them out keeps specs and collectives clean.
+        return tuple(a for a in axes if self.mesh.shape[a] > 1)
+
+    def spec(self, names: Names | None, mapping: str = "compute", shape=None, what: str = "tensor") -> PartitionSpec:
+        """PartitionSpec for dims with these logical names under one mapping, checked.
+
+        Raises ``LayoutError`` for a logical name no rule knows, for two dims claiming one mesh
+        axis, and (when ``shape`` is given) for a dim not divisible by its mesh axes.
+        """
+        rules: Rules = getattr(self, mapping)
+        if names is None:
+            return PartitionSpec()
+        entries, owner = [], {}
+        for dim, name in enumerate(names):
+            if name is None:
+                entries.append(None)
+                continue
+            if name not in rules:
+                raise LayoutError(
+                    f"{what}: logical axis {name!r} (dim {dim}) has no rule; known logical axes are "
+                    f"{sorted(rules)}. Rename the dim or add a rule for {name!r}"
+                )
+            axes = self._live(rules[name])
+            for axis in axes:
+                if axis in owner:
+                    raise LayoutError(
+                        f"{what}: logical axes {owner[axis]!r} and {name!r} both map to mesh axis {axis!r} "
+                        f"in the {mapping} rules; a mesh axis can shard only one dim of a tensor. "
+                        f"Change one of the two rules"
+                    )
+                owner[axis] = name
+            if shape is not None and axes:
+                ways = 1
+                for axis in axes:
+                    ways *= self.mesh.shape[axis]
+                if shape[dim] % ways:
+                    raise LayoutError(
+                        f"{what}: dim {dim} ({name!r}, size {shape[dim]}) is not divisible by mesh axes "
+                        f"{axes} ({ways} ways) in the {mapping} mapping; change the degree of "
+                        f"{'/'.join(axes)} or the size of {name!r}"
+                    )
+            entries.append(axes[0] if len(axes) == 1 else (axes or None))
+        return PartitionSpec(*entries)
+
+    def sharding(self, names: Names | None, mapping: str = "compute", shape=None, what: str = "tensor") -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(names, mapping, shape, what))
+
+    def axes_of(self, name: str | None, mapping: str = "compute") -> tuple[str, ...]:
+        return () if name is None else self._live(getattr(self, mapping).get(name, ()))
+
+
+# --- the active layout while a step is traced ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Active:
+    layout: Layout
+    manual: bool
+    compute_dtype: jnp.dtype
+    grad_reduce_dtype: jnp.dtype
+
+
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("jaxpar_layout", default=None)
+
+
+@contextlib.contextmanager
+def use_layout(layout: Layout | None, *, manual: bool = False, compute_dtype=jnp.float32, grad_reduce_dtype=jnp.float32):
+    """Make ``layout`` the one the model-facing calls below obey (``manual``: inside shard_map)."""
+    token = _ACTIVE.set(None if layout is None else _Active(layout, manual, jnp.dtype(compute_dtype), jnp.dtype(grad_reduce_dtype)))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def compute_dtype():
+    """The dtype weights are cast to for compute (float32 when no layout is active)."""
+    active = _ACTIVE.get()
+    return jnp.float32 if active is None else active.compute_dtype
+
+
+def _check_rank(x, names):
+    if x.ndim != len(names):
+        raise LayoutError(f"array of shape {x.shape} was given {len(names)} logical names {tuple(names)}; give one per dim")
+
+
+def constrain(x, names: Names):
+    """Declare the compute layout of activation ``x`` by logical names."""
+    _check_rank(x, names)
+    active = _ACTIVE.get()
+    if active is None or active.manual:
+        return x  # on one device nothing to do; in manual mode x is already the local shard
+    return jax.lax.with_sharding_constraint(x, active.layout.sharding(names))
+
+
+def regather(x, src: Names, dst: Names):
+    """Move ``x`` from layout ``src`` to ``dst`` where ``dst`` shards less (e.g. the sequence-parallel
+    residual stream entering an attention or MLP block): all-gathers the dims that lose mesh axes."""
+    _check_rank(x, dst)
+    active = _ACTIVE.get()
+    if active is None or not active.manual:
+        return constrain(x, dst)
+    layout = active.layout
+    for dim, (s, d) in enumerate(zip(src, dst)):
+        lost = tuple(a for a in layout.axes_of(s) if a not in layout.axes_of(d))
+        if lost:
+            x = jax.lax.all_gather(x, lost, axis=dim, tiled=True)
+    return x
+
+
+def reduce_partial(x, contracted: Sequence[str], dst: Names):
+    """``x`` holds partial sums because logical axes ``contracted`` were summed away while sharded
+    (a row-parallel matmul); finish the sum and lay the result out as ``dst``.
+
+    Reduce-scatters along a ``dst`` dim that the summed mesh axes shard (Megatron sequence
+    parallelism), all-reduces otherwise (Megatron tensor parallelism)."""
+    _check_rank(x, dst)
+    active = _ACTIVE.get()
+    if active is None or not active.manual:
+        return constrain(x, dst)
+    layout = active.layout
+    pending = [a for name in contracted for a in layout.axes_of(name)]
+    for dim, name in enumerate(dst):
+        scatter = tuple(a for a in layout.axes_of(name) if a in pending)
+        if scatter:
+            x = jax.lax.psum_scatter(x, scatter, scatter_dimension=dim, tiled=True)
+            pending = [a for a in pending if a not in scatter]
+    return jax.lax.psum(x, tuple(pending)) if pending else x
+
+
+def vocab_shard_offset(names: Names, dim: int, local_size: int):
+    """Index of the first entry of this device's shard along logical dim ``names[dim]`` (0 on one device)."""
+    active = _ACTIVE.get()
+    if active is None or not active.manual:
+        return 0
+    index = 0
+    for axis in active.layout.axes_of(names[dim]):
+        index = index * active.layout.mesh.shape[axis] + jax.lax.axis_index(axis)
+    return index * local_size
+
+
+def sum_over(x, names: Names, dims: Sequence[int], op: str = "sum"):
+    """Reduce ``x`` (``op`` = sum or max) over ``dims``, across devices too where those dims are sharded."""
+    local = jnp.sum(x, axis=tuple(dims)) if op == "sum" else jnp.max(x, axis=tuple(dims))
+    active = _ACTIVE.get()
+    if active is None or not active.manual:
+        return local
+    axes = tuple(a for d in dims for a in active.layout.axes_of(names[d]))
+    if not axes:
+        return local
+    return jax.lax.psum(local, axes) if op == "sum" else jax.lax.pmax(local, axes)
+
+
+# --- weights: gathered from their stored layout to the compute layout at use ----------------
+
+
+def logical_names(variable) -> tuple[str | None, ...] | None:
+    """Logical names of an nnx Variable (from ``nnx.with_partitioning``), or None if it has none."""
+    meta = variable.get_metadata()
+    names = meta.get("out_sharding", meta.get("sharding_names", meta.get("sharding")))
+    return None if names is None else tuple(names)
+
+
+def _gather_weight(value, names, layout: Layout, dtype, reduce_dtype):
+    """All-gather one weight's storage shards into its compute layout, cast to ``dtype``.
+
+    The backward pass reduce-scatters the gradient in ``reduce_dtype`` (never silently bf16)."""
+    plan = []
+    for dim, name in enumerate(names):
+        extra = tuple(a for a in layout.axes_of(name, "param") if a not in layout.axes_of(name, "compute"))
+        if extra:
+            plan.append((dim, extra))
+    stored_dtype = value.dtype
+
+    @jax.custom_vjp
+    def gather(x):
+        y = x.astype(dtype)
+        for dim, axes in plan:
+            y = jax.lax.all_gather(y, axes, axis=dim, tiled=True)
+        return y
+
+    def gather_bwd(_, ct):
+        g = ct.astype(reduce_dtype)
+        for dim, axes in reversed(plan):
+            g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+        return (g.astype(stored_dtype),)
+
+    gather.defvjp(lambda x: (gather(x), None), gather_bwd)
+    if not plan:
+        return value.astype(dtype)
+    return checkpoint_name(gather(value), GATHERED)
+
+
+def gather_params(state):
+    """Weights of an nnx State, gathered for compute and cast to the compute dtype.
+
+    Stacked layer weights (logical axis ``layers`` still present) are left alone: the model gathers
+    them one layer at a time inside its layer scan by calling this on the layer's slice.
+    """
+    from flax import nnx
+
+    active = _ACTIVE.get()
+
+    def gather_one(var):
+        value = var.get_value() if hasattr(var, "get_value") else var.value
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            return var
+        names = logical_names(var) or (None,) * value.ndim
+        if "layers" in names:
+            if len(names) == value.ndim:
+                return var  # still stacked: gathered per layer in the scan
+            names = tuple(n for n in names if n != "layers")
+        if active is None:
+            return var.replace(value=value)
+        if not active.manual:
+            return var.replace(value=value.astype(active.compute_dtype))
+        gathered = _gather_weight(value, names, active.layout, active.compute_dtype, active.grad_reduce_dtype)
+        return var.replace(value=gathered)
+
+    return jax.tree.map(gather_one, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def layer_checkpoint(fn, remat: str = "none"):
+    """Wrap a layer body for ``jax.checkpoint`` by the model's remat choice and the layout's FSDP policy.
+
+    ``remat``: ``none`` keeps activations, ``full`` recomputes the layer, ``dots`` keeps only
+    matmul outputs. Gathered weights are kept for the backward pass unless the layout says
+    ``regather`` (then they are gathered again: 3 instead of 2 passes of weight traffic).
+    """
+    active = _ACTIVE.get()
+    regather = active is not None and active.manual and active.layout.regather
+    cp = jax.checkpoint_policies
+    if remat == "none":
+        if not regather:
+            return fn
+        policy = cp.save_anything_except_these_names(GATHERED)
+    elif remat == "full":
+        policy = cp.nothing_saveable if regather else cp.save_only_these_names(GATHERED)
+    elif remat == "dots":
+        dots = cp.dots_with_no_batch_dims_saveable
+        policy = dots if regather else cp.save_from_both_policies(dots, cp.save_only_these_names(GATHERED))
+    else:
+        raise LayoutError(f"remat policy {remat!r} is unknown; use none, full or dots")
+    return jax.checkpoint(fn, policy=policy, prevent_cse=False)

@@ -1,0 +1,232 @@
+"""Topologies: the hardware a layout runs on, read from ``meshes/<name>.toml`` or from JAX's devices.
+
+The TOML schema is documented in ``meshes/README.md``. Files use vendor units (GB/s, GiB, TFLOP/s);
+a ``Topology`` holds SI base units (bytes, bytes/s, FLOP/s) so that cost models never convert.
+JAX is imported only inside ``local_topology()``: reading a file must not initialise a backend.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import pathlib
+import tomllib
+from dataclasses import dataclass
+
+from jaxpar.errors import TopologyError
+
+PLATFORMS = ("cpu", "tpu", "gpu")
+GB, GIB, TERA = 1e9, 2**30, 1e12
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    platform: str
+    chip: str
+    num_chips: int
+    ici_shape: tuple[int, ...]  # chip grid of one slice / node
+    dcn_shape: tuple[int, ...]  # slices / nodes
+    ici_bandwidth: float  # bytes/s per link, one direction
+    ici_links_per_chip: int
+    dcn_bandwidth: float  # bytes/s per chip, one direction
+    hbm_bytes: int
+    hbm_bandwidth: float  # bytes/s
+    peak_bf16_flops: float  # FLOP/s per chip
+    tpu_topology: str | None = None  # one slice, as get_topology_desc takes it
+    source: str = ""  # path of the file it came from
+
+    @property
+    def num_slices(self) -> int:
+        return math.prod(self.dcn_shape)
+
+    @property
+    def chips_per_slice(self) -> int:
+        return math.prod(self.ici_shape)
+
+    @property
+    def is_multi_slice(self) -> bool:
+        return self.num_slices > 1
+
+
+# TOML key -> (kind, unit factor into the Topology field). Kinds: str, int, num, shape.
+_KEYS = {
+    "name": ("str", None),
+    "platform": ("str", None),
+    "chip": ("str", None),
+    "num_chips": ("int", None),
+    "ici_shape": ("shape", None),
+    "dcn_shape": ("shape", None),
+    "ici_bandwidth_gbps": ("num", GB),
+    "ici_links_per_chip": ("int", None),
+    "dcn_bandwidth_gbps": ("num", GB),
+    "hbm_gib": ("num", GIB),
+    "hbm_bandwidth_gbps": ("num", GB),
+    "peak_bf16_tflops": ("num", TERA),
+    "tpu_topology": ("str", None),
+}
+_OPTIONAL = {"tpu_topology"}
+_EXAMPLES = {"str": '"text"', "int": "8", "num": "100.0", "shape": "[4, 4, 8]"}
+
+
+def meshes_dir() -> pathlib.Path:
+    """``$JAXPAR_MESHES`` if set, else the ``meshes/`` folder at the repository root."""
+    env = os.environ.get("JAXPAR_MESHES")
+    return pathlib.Path(env) if env else pathlib.Path(__file__).resolve().parent.parent / "meshes"
+
+
+def list_topologies() -> list[str]:
+    """Sorted names of the topology files in ``meshes_dir()``."""
+    d = meshes_dir()
+    return sorted(p.stem for p in d.glob("*.toml")) if d.is_dir() else []
+
+
+def load_topology(name_or_path: str | os.PathLike) -> Topology:
+    """Load a topology by name (``"tpu-v5p-256"``, from ``meshes_dir()``) or by path to a .toml file."""
+    s = str(name_or_path)
+    looks_like_path = s.endswith(".toml") or os.sep in s or "/" in s
+    path = pathlib.Path(s) if looks_like_path else meshes_dir() / f"{s}.toml"
+    if not path.is_file():
+        if looks_like_path:
+            raise TopologyError(f"topology file {path} does not exist; give an existing .toml file")
+        raise TopologyError(_unknown_name(s))
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:  # its message names the line and column
+        raise TopologyError(f"{path}: not valid TOML: {e}; fix the syntax there") from None
+    return _from_dict(data, path)
+
+
+def _unknown_name(name: str) -> str:
+    known = list_topologies()
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return (
+        f"unknown topology {name!r}.{hint} Known topologies in {meshes_dir()}: "
+        f"{', '.join(known) or '(none)'}. Pass one of these, a path to a .toml file, or add "
+        f"{name}.toml there (schema in meshes/README.md)."
+    )
+
+
+def _check_value(key: str, value, kind: str, where: str):
+    """Type and sign of one value; returns it normalised (shapes as tuples)."""
+    bad_type = {
+        "str": not isinstance(value, str),
+        # bool is an int in Python; `true` is never a chip count.
+        "int": not isinstance(value, int) or isinstance(value, bool),
+        "num": not isinstance(value, (int, float)) or isinstance(value, bool),
+        "shape": not isinstance(value, list)
+        or not value
+        or any(not isinstance(v, int) or isinstance(v, bool) for v in value),
+    }[kind]
+    if bad_type:
+        want = {"str": "a string", "int": "an integer", "num": "a number",
+                "shape": "a non-empty array of integers"}[kind]
+        raise TopologyError(
+            f"{where}: key {key!r} must be {want}, got {value!r} ({type(value).__name__}); "
+            f"write e.g. {key} = {_EXAMPLES[kind]}"
+        )
+    if kind == "str" and not value.strip():
+        raise TopologyError(f"{where}: key {key!r} is empty; give it a value")
+    if kind in ("int", "num") and not value > 0:
+        raise TopologyError(f"{where}: key {key!r} must be positive, got {value!r}")
+    if kind == "shape":
+        if any(v <= 0 for v in value):
+            raise TopologyError(f"{where}: every entry of {key!r} must be positive, got {value!r}")
+        return tuple(value)
+    return value
+
+
+def _from_dict(data: dict, path: pathlib.Path) -> Topology:
+    where = str(path)
+    for key in data:
+        if key not in _KEYS:
+            close = difflib.get_close_matches(key, list(_KEYS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TopologyError(f"{where}: unknown key {key!r}{hint} (keys: meshes/README.md)")
+    missing = [k for k in _KEYS if k not in data and k not in _OPTIONAL]
+    if missing:
+        raise TopologyError(
+            f"{where}: missing required key {missing[0]!r}"
+            + (f" (also missing: {', '.join(missing[1:])})" if missing[1:] else "")
+            + f"; add e.g. {missing[0]} = {_EXAMPLES[_KEYS[missing[0]][0]]} (meaning: meshes/README.md)"
+        )
+    v = {k: _check_value(k, data[k], _KEYS[k][0], where) for k in data}
+
+    if v["platform"] not in PLATFORMS:
+        raise TopologyError(
+            f"{where}: key 'platform' is {v['platform']!r}; it must be one of {', '.join(PLATFORMS)}"
+        )
+    if v["name"] != path.stem:
+        raise TopologyError(
+            f"{where}: key 'name' is {v['name']!r} but the file is {path.name}; "
+            f"name the file {v['name']}.toml or set name = {path.stem!r}"
+        )
+    expected = math.prod(v["ici_shape"]) * math.prod(v["dcn_shape"])
+    if v["num_chips"] != expected:
+        raise TopologyError(
+            f"{where}: key 'num_chips' is {v['num_chips']} but prod(ici_shape={list(v['ici_shape'])}) "
+            f"* prod(dcn_shape={list(v['dcn_shape'])}) = {expected}; fix num_chips or the shapes"
+        )
+    if v["platform"] == "tpu":
+        _check_tpu_topology(v, where)
+
+    return Topology(
+        name=v["name"], platform=v["platform"], chip=v["chip"], num_chips=v["num_chips"],
+        ici_shape=v["ici_shape"], dcn_shape=v["dcn_shape"],
+        ici_bandwidth=float(v["ici_bandwidth_gbps"]) * GB,
+        ici_links_per_chip=v["ici_links_per_chip"],
+        dcn_bandwidth=float(v["dcn_bandwidth_gbps"]) * GB,
+        hbm_bytes=int(v["hbm_gib"] * GIB),
+        hbm_bandwidth=float(v["hbm_bandwidth_gbps"]) * GB,
+        peak_bf16_flops=float(v["peak_bf16_tflops"]) * TERA,
+        tpu_topology=v.get("tpu_topology"), source=where,
+    )
+
+
+def _check_tpu_topology(v: dict, where: str) -> None:
+    """A TPU file names its slice for ahead-of-time compiles, and that slice must be ici_shape."""
+    topo = v.get("tpu_topology")
+    shape_text = "x".join(map(str, v["ici_shape"]))
+    if topo is None:
+        raise TopologyError(
+            f"{where}: platform is 'tpu' but key 'tpu_topology' is missing; add e.g. "
+            f"tpu_topology = \"v5p:{shape_text}\" (one slice, as get_topology_desc takes it)"
+        )
+    kind, _, dims = topo.partition(":")
+    try:
+        topo_shape = tuple(int(d) for d in dims.split("x"))
+    except ValueError:
+        topo_shape = None
+    if not kind or topo_shape is None:
+        raise TopologyError(
+            f"{where}: key 'tpu_topology' is {topo!r}; write it as \"<version>:<AxBxC>\", "
+            f"e.g. \"v5p:{shape_text}\""
+        )
+    if topo_shape != v["ici_shape"]:
+        raise TopologyError(
+            f"{where}: key 'tpu_topology' is {topo!r} but ici_shape is {list(v['ici_shape'])}; "
+            f"they describe the same slice, so make them agree (e.g. \"{kind}:{shape_text}\")"
+        )
+
+
+def local_topology() -> Topology:
+    """The devices JAX sees here, as one slice named like ``cpu-8``.
+
+    Only the count and platform are real; bandwidths and FLOP/s are nominal (JAX does not report
+    them). HBM is the device's memory limit where the backend reports one.
+    """
+    import jax  # here, not at module import: loading files must not start a backend
+
+    devices = jax.devices()
+    n, platform = len(devices), devices[0].platform
+    stats = devices[0].memory_stats() or {}  # None on CPU
+    return Topology(
+        name=f"{platform}-{n}", platform=platform,
+        chip="cpu" if platform == "cpu" else devices[0].device_kind,
+        num_chips=n, ici_shape=(n,), dcn_shape=(1,),
+        ici_bandwidth=10 * GB, ici_links_per_chip=1, dcn_bandwidth=1 * GB,  # nominal
+        hbm_bytes=int(stats.get("bytes_limit", 16 * GIB)),  # nominal where unreported
+        hbm_bandwidth=50 * GB, peak_bf16_flops=1 * TERA,  # nominal
+        source="jax.devices()",
+    )

@@ -1,0 +1,153 @@
+"""The main job's corpus and its deterministic batches.
+
+Where the text comes from: the repository holds no copied text. The corpus is gathered at run time
+from the documentation strings of Python's own standard library, which every machine that runs
+jaxpar already has: a fixed, sorted list of pure-Python stdlib modules is imported, and the
+docstrings of each module and of its public classes, functions and methods (``inspect.getdoc``) are
+taken in a fixed order, de-duplicated and whitespace-normalised, until about ``target_bytes`` of
+UTF-8. The same Python version gives the same bytes; other versions may differ slightly.
+
+Tokens are the UTF-8 bytes themselves (vocabulary 256). A batch is a pure function of
+``(seed, step)``, so a restarted job reads the exact same data order, and any process can compute
+its own rows of the global batch without building the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+import numpy as np
+
+from jaxpar.errors import JaxparError
+
+VOCAB_SIZE = 256
+
+# Pure-Python modules that import cleanly on every platform, without side effects or warnings.
+# Kept sorted; changing this list changes the corpus.
+_MODULES = (
+    "abc", "argparse", "ast", "asyncio.events", "asyncio.futures", "asyncio.locks",
+    "asyncio.queues", "asyncio.streams", "asyncio.tasks", "base64", "bisect", "calendar", "cmd",
+    "codecs", "collections", "colorsys", "configparser", "contextlib", "copy", "csv",
+    "dataclasses", "datetime", "difflib", "dis", "doctest", "email.headerregistry",
+    "email.message", "email.parser", "email.policy", "email.utils", "enum", "filecmp", "fileinput",
+    "fnmatch", "fractions", "ftplib", "functools", "getopt", "gettext", "glob", "graphlib", "gzip",
+    "heapq", "hmac", "html", "html.parser", "http.client", "http.cookiejar", "http.cookies",
+    "http.server", "imaplib", "inspect", "ipaddress", "json", "logging", "logging.config",
+    "logging.handlers", "mailbox", "mimetypes", "netrc", "numbers", "operator", "optparse",
+    "pathlib", "pickle", "pickletools", "pkgutil", "plistlib", "poplib", "pprint", "pydoc",
+    "queue", "quopri", "random", "re", "reprlib", "runpy", "sched", "secrets", "shelve", "shlex",
+    "smtplib", "statistics", "string", "tarfile", "tempfile", "textwrap", "threading", "timeit",
+    "tokenize", "trace", "traceback", "types", "unittest", "unittest.mock", "urllib.parse",
+    "urllib.request", "urllib.robotparser", "uuid", "warnings", "wave", "weakref",
+    "xml.dom.minidom", "xml.etree.ElementTree", "xmlrpc.client", "zipfile", "zipimport",
+)
+
+
+def _normalise(doc: str) -> str:
+    """Collapse whitespace inside each paragraph; one newline between paragraphs."""
+    paragraphs = (" ".join(p.split()) for p in doc.split("\n\n"))
+    return "\n".join(p for p in paragraphs if p)
+
+
+def _docstrings():
+    """Yield every docstring of the listed modules, in a fixed order (duplicates included)."""
+    for name in _MODULES:
+        module = importlib.import_module(name)
+        yield inspect.getdoc(module)
+        for member_name in sorted(vars(module)):
+            member = vars(module)[member_name]
+            if member_name.startswith("_") or getattr(member, "__module__", None) != name:
+                continue
+            if inspect.isroutine(member):
+                yield inspect.getdoc(member)
+            elif inspect.isclass(member):
+                yield inspect.getdoc(member)
+                for attr in sorted(vars(member)):
+                    if not attr.startswith("_") and inspect.isroutine(vars(member)[attr]):
+                        yield inspect.getdoc(getattr(member, attr))
+
+
+@functools.lru_cache(maxsize=4)
+def corpus_bytes(target_bytes: int = 400_000) -> bytes:
+    """About ``target_bytes`` of English from the standard library's docstrings (see module doc)."""
+    if target_bytes <= 0:
+        raise JaxparError(f"target_bytes={target_bytes} must be positive; pass e.g. 400_000.")
+    seen, pieces, size = set(), [], 0
+    for doc in _docstrings():
+        text = _normalise(doc or "")
+        if not text or text in seen:
+            continue
+        seen.add(text)
+        piece = text.encode("utf-8") + b"\n\n"
+        pieces.append(piece)
+        size += len(piece)
+        if size >= target_bytes:
+            break
+    else:
+        raise JaxparError(
+            f"target_bytes={target_bytes} is more than the {size} bytes of docstrings this Python "
+            f"offers; pass target_bytes <= {size}."
+        )
+    # Cut at exactly target_bytes, dropping a trailing partial UTF-8 character.
+    return b"".join(pieces)[:target_bytes].decode("utf-8", "ignore").encode("utf-8")
+
+
+def corpus_tokens(target_bytes: int = 400_000) -> np.ndarray:
+    """The corpus as byte tokens: a 1-D int32 array with values in [0, 256)."""
+    return np.frombuffer(corpus_bytes(target_bytes), dtype=np.uint8).astype(np.int32)
+
+
+def split_corpus(tokens: np.ndarray, holdout_fraction: float = 0.05):
+    """Split into (train, held-out): the held-out part is the last ``holdout_fraction``."""
+    if not 0.0 < holdout_fraction < 1.0:
+        raise JaxparError(
+            f"holdout_fraction={holdout_fraction} must be strictly between 0 and 1, e.g. 0.05."
+        )
+    n_hold = max(1, round(len(tokens) * holdout_fraction))
+    if n_hold >= len(tokens):
+        raise JaxparError(
+            f"a corpus of {len(tokens)} tokens is too short to hold out {holdout_fraction:.0%}; "
+            "use a larger corpus."
+        )
+    return tokens[:-n_hold], tokens[-n_hold:]
+
+
+def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
+    """The global batch for ``step``: int32 ``(batch_size, seq_len + 1)`` random windows.
+
+    A pure function of ``(seed, step)``: inputs are ``[:, :-1]``, targets ``[:, 1:]``.
+    """
+    return local_batch_at(tokens, step, batch_size, seq_len, seed, 0, batch_size)
+
+
+def local_batch_at(
+    tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int,
+    row_start: int, row_stop: int,
+) -> np.ndarray:
+    """Rows ``[row_start, row_stop)`` of ``batch_at(...)``, without building the other rows."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise JaxparError(f"tokens must be 1-D, got shape {tokens.shape}; pass corpus_tokens().")
+    if batch_size <= 0:
+        raise JaxparError(f"batch_size={batch_size} must be positive.")
+    if seq_len <= 0:
+        raise JaxparError(f"seq_len={seq_len} must be positive.")
+    if seq_len >= len(tokens):
+        raise JaxparError(
+            f"seq_len={seq_len} needs a corpus longer than seq_len + 1 tokens, but it has "
+            f"{len(tokens)}; use a shorter seq_len or a larger target_bytes."
+        )
+    if step < 0 or seed < 0:
+        raise JaxparError(f"step={step} and seed={seed} must both be >= 0.")
+    if not 0 <= row_start < row_stop <= batch_size:
+        raise JaxparError(
+            f"rows [{row_start}, {row_stop}) are not a non-empty range inside the batch of "
+            f"{batch_size} rows; need 0 <= row_start < row_stop <= batch_size."
+        )
+    # One start offset per row of the whole batch (batch_size integers, cheap); only the
+    # requested rows are gathered.
+    rng = np.random.default_rng((seed, step))
+    starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)[row_start:row_stop]
+    return tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)

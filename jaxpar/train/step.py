@@ -1,0 +1,322 @@
+"""Sharded training state and the jitted training step, for any Flax NNX model with logical names.
+
+The gradient is computed inside one ``shard_map`` over every mesh axis: each device runs the model
+on its slice of the batch with its weights gathered per the layout (``rules.gather_params``), and
+the gradient is reduced by hand, so every collective is the one the strategy calls for:
+
+- axes the weights are stored sharded over (FSDP): reduce-scatter, the backward of the gather;
+- axes the gradient accumulation buffer is sharded over (ZeRO-2): reduce-scatter per micro-batch;
+- axes the optimizer state is sharded over (ZeRO-1): one reduce-scatter at the end;
+- the remaining batch axes (DP, HSDP across groups): all-reduce.
+
+The optimizer update then runs on the stored shards (optax, outside the shard_map); where weights
+are stored whole but updated in shards (ZeRO-1/2), XLA all-gathers the updated weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.errors import LayoutError
+from jaxpar.rules import Layout, gather_params, logical_names, use_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    total_steps: int = 300
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+    compute_dtype: str = "float32"  # float32 | bfloat16 (weights stay float32: the master copy)
+    grad_reduce_dtype: str = "float32"  # dtype gradients are summed across devices in; explicit, never implied
+    microbatches: int = 1  # gradient accumulation steps per optimizer step
+    donate: bool = True  # reuse the old state's buffers for the new state
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warm-up, cosine decay to 10%, and global-norm gradient clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1), cfg.learning_rate * 0.1
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    )
+
+
+class TrainState(NamedTuple):
+    params: Any  # pure dict of arrays, shaped like the model's nnx.State
+    opt_state: Any
+    step: jax.Array
+
+
+def abstract_model(model_fn: Callable[[nnx.Rngs], nnx.Module]):
+    """(graphdef, abstract nnx.State) of the model: shapes and logical names, no memory."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def _paths(state) -> dict:
+    """Pure dict path -> Variable, for walking weights with their names."""
+    return {path: var for path, var in nnx.to_flat_state(state)}
+
+
+def _nest(flat: dict) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+class Trainer:
+    """Everything needed to train ``model_fn`` under ``layout``.
+
+    ``loss_fn(model, batch)`` returns the mean loss over its (local) batch; every device gets an
+    equal slice of the batch, so the mean of the slices' means is the global mean. ``batch`` is an
+    array (or a pytree of arrays) whose dim 0 is the batch.
+    """
+
+    def __init__(self, layout: Layout, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(), optimizer=None):
+        self.layout, self.model_fn, self.loss_fn, self.cfg = layout, model_fn, loss_fn, cfg
+        self.optimizer = optimizer or make_optimizer(cfg)
+        self.graphdef, self.abstract = abstract_model(model_fn)
+        flat = _paths(self.abstract)
+        self.names = {}
+        for path, var in flat.items():
+            names = logical_names(var) or (None,) * var.value.ndim
+            if len(names) != var.value.ndim:
+                raise LayoutError(f"weight {'/'.join(map(str, path))} has shape {var.value.shape} but {len(names)} logical names {names}")
+            self.names[path] = names
+        self._check_layout(flat)
+        self.param_specs = _nest({p: self._spec(p, "param") for p in flat})
+        self.opt_specs_by_param = _nest({p: self._spec(p, "optimizer") for p in flat})
+        abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(self.abstract))
+        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
+        self.opt_specs = optax.tree_map_params(
+            self.optimizer, lambda _, spec: spec, abstract_opt, self.opt_specs_by_param,
+            transform_non_params=lambda _: PartitionSpec(), is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+        shard = lambda specs: jax.tree.map(  # noqa: E731
+            lambda s: NamedSharding(layout.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )
+        self.state_shardings = TrainState(shard(self.param_specs), shard(self.opt_specs), NamedSharding(layout.mesh, PartitionSpec()))
+        self._step = None
+
+    # --- layout checks, before any device memory is touched --------------------------------
+
+    def _spec(self, path, mapping):
+        return self.layout.spec(self.names[path], mapping)
+
+    def _check_layout(self, flat):
+        for path, var in flat.items():
+            what = f"weight {'/'.join(map(str, path))}"
+            for mapping in ("param", "optimizer", "grad", "compute"):
+                names = self.names[path]
+                if mapping == "compute":
+                    names = tuple(None if n == "layers" else n for n in names)
+                self.layout.spec(names, mapping, var.value.shape, what)
+
+    def batch_sharding(self, batch) -> Any:
+        spec = PartitionSpec(self.layout.batch_axes or None)
+        return jax.tree.map(lambda _: NamedSharding(self.layout.mesh, spec), batch)
+
+    def check_batch(self, batch):
+        shards = math.prod(self.layout.mesh.shape[a] for a in self.layout.batch_axes) * self.cfg.microbatches
+        for leaf in jax.tree.leaves(batch):
+            if leaf.shape[0] % shards:
+                raise LayoutError(
+                    f"batch of {leaf.shape[0]} examples does not split evenly over {shards} = batch axes "
+                    f"{self.layout.batch_axes} x {self.cfg.microbatches} micro-batches; use a multiple of {shards}"
+                )
+
+    # --- state ---------------------------------------------------------------------------
+
+    def init(self, seed: int = 0) -> TrainState:
+        """Sharded parameters and optimizer state; the same seed gives the same values on any layout."""
+
+        def init_params(key):
+            with nnx.use_eager_sharding(False):
+                return nnx.to_pure_dict(nnx.state(self.model_fn(nnx.Rngs(key))))
+
+        params = jax.jit(init_params, out_shardings=self.state_shardings.params)(jax.random.key(seed))
+        opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings.opt_state)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step)
+        return TrainState(params, opt_state, step)
+
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs with shardings: enough to compile a step without allocating anything."""
+        shapes = jax.eval_shape(lambda: self.init_shapes())
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings)
+
+    def init_shapes(self):
+        params = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), nnx.to_pure_dict(self.abstract))
+        return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32))
+
+    # --- the step ------------------------------------------------------------------------
+
+    def _with_values(self, pure):
+        state = jax.tree.map(lambda v: v, self.abstract)
+        nnx.replace_by_pure_dict(state, pure)
+        return state
+
+    def _reduction_plan(self, path):
+        """Per weight: mesh axes reduced by the gather's backward, per micro-batch, and at the end."""
+        layout, names = self.layout, self.names[path]
+        axes = lambda n, m: layout.axes_of(n, m)  # noqa: E731
+        pending = list(layout.batch_axes)
+        for n in names:
+            for a in axes(n, "param"):
+                if a not in axes(n, "compute") and a in pending:
+                    pending.remove(a)  # reduce-scattered by the gather's transpose
+        per_micro, final = [], []
+        for stage, (src, dst) in (("micro", ("param", "grad")), ("final", ("grad", "optimizer"))):
+            for dim, n in enumerate(names):
+                new = tuple(a for a in axes(n, dst) if a not in axes(n, src) and a in pending)
+                if new:
+                    (per_micro if stage == "micro" else final).append((dim, new))
+                    pending = [a for a in pending if a not in new]
+        return per_micro, final, tuple(pending)
+
+    def _local_grads(self, params, batch):
+        """Runs on every device inside shard_map: mean loss and fully reduced gradient shards."""
+        layout, cfg = self.layout, self.cfg
+        k = cfg.microbatches
+        shards = math.prod(layout.mesh.shape[a] for a in layout.batch_axes) * k
+        flat_params = {p: v for p, v in _flatten(params).items()}
+        plans = {p: self._reduction_plan(p) for p in flat_params}
+
+        # Make every weight vary over the batch axes: its gradient is then the unreduced local one,
+        # and the reductions below are the only ones (no implicit all-reduce from autodiff).
+        def to_varying(path, x):
+            have = _varying_axes(x)
+            axes = tuple(a for a in layout.batch_axes if a not in have)
+            return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+        varying = _nest({p: to_varying(p, v) for p, v in flat_params.items()})
+        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+        def objective(p, mb):
+            state = gather_params(self._with_values(p))
+            model = nnx.merge(self.graphdef, state)
+            return self.loss_fn(model, mb) / shards
+
+        def reduce(grads, which):
+            out = {}
+            for path, g in _flatten(grads).items():
+                per_micro, final, rest = plans[path]
+                for dim, axes in per_micro if which == "micro" else final:
+                    g = jax.lax.psum_scatter(g.astype(self._reduce_dtype), axes, scatter_dimension=dim, tiled=True)
+                if which == "final" and rest:
+                    g = jax.lax.psum(g.astype(self._reduce_dtype), rest)
+                out[path] = g.astype(jnp.float32)
+            return _nest(out)
+
+        def micro_step(acc, mb):
+            loss, grads = jax.value_and_grad(objective)(varying, mb)
+            grads = reduce(grads, "micro")
+            return jax.tree.map(jnp.add, acc, grads), loss
+
+        def acc_zeros(path, x):
+            shape = list(x.shape)
+            for dim, axes in plans[path][0]:
+                shape[dim] //= math.prod(layout.mesh.shape[a] for a in axes)
+            zeros = jnp.zeros(shape, jnp.float32)
+            vma = _varying_axes(x) | set(layout.batch_axes)
+            return jax.lax.pcast(zeros, tuple(vma), to="varying") if vma else zeros
+
+        acc = _nest({p: acc_zeros(p, v) for p, v in _flatten(varying).items()})
+        acc, losses = jax.lax.scan(micro_step, acc, micro)
+        loss = jax.lax.psum(jnp.sum(losses), layout.batch_axes) if layout.batch_axes else jnp.sum(losses)
+        return loss, reduce(acc, "final")
+
+    @property
+    def _reduce_dtype(self):
+        return jnp.dtype(self.cfg.grad_reduce_dtype)
+
+    def grad_fn(self):
+        """(params, batch) -> (loss, gradients laid out like the optimizer state), under the layout."""
+        mesh, layout = self.layout.mesh, self.layout
+        batch_spec = PartitionSpec(layout.batch_axes or None)
+
+        def run(params, batch):
+            with use_layout(layout, manual=True, compute_dtype=self.cfg.compute_dtype, grad_reduce_dtype=self.cfg.grad_reduce_dtype):
+                return self._local_grads(params, batch)
+
+        def grads(params, batch):
+            in_specs = (self.param_specs, jax.tree.map(lambda _: batch_spec, batch))
+            fn = jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=(PartitionSpec(), self.opt_specs_by_param))
+            return fn(params, batch)
+
+        return grads
+
+    def step_fn(self):
+        """The un-jitted step: (state, batch) -> (state, metrics)."""
+        grads_of = self.grad_fn()
+
+        def step(state: TrainState, batch):
+            loss, grads = grads_of(state.params, batch)
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+            return TrainState(params, opt_state, state.step + 1), metrics
+
+        return step
+
+    def jit_step(self, batch_example):
+        replicated = NamedSharding(self.layout.mesh, PartitionSpec())
+        return jax.jit(
+            self.step_fn(),
+            in_shardings=(self.state_shardings, self.batch_sharding(batch_example)),
+            out_shardings=(self.state_shardings, {"loss": replicated, "grad_norm": replicated}),
+            donate_argnums=(0,) if self.cfg.donate else (),
+        )
+
+    def step(self, state: TrainState, batch):
+        """One optimizer step (compiled on first use)."""
+        if self._step is None:
+            self.check_batch(batch)
+            self._step = self.jit_step(batch)
+        return self._step(state, batch)
+
+    def put_batch(self, batch):
+        """Place a host batch on the devices, split over the batch axes."""
+        self.check_batch(batch)
+        return jax.device_put(batch, self.batch_sharding(batch))
+
+
+def _flatten(tree) -> dict:
+    """Pure nested dict -> {path tuple: leaf}."""
+    out = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, child in node.items():
+                walk(child, prefix + (key,))
+        else:
+            out[prefix] = node
+
+    walk(tree, ())
+    return out
+
+
+def _varying_axes(x) -> set[str]:
+    """Manual mesh axes over which ``x`` differs from device to device (shard_map's type)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.10 keeps it here
+    return set(mat.varying if mat is not None else getattr(aval, "vma", ()))
