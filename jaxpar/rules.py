@@ -173,7 +173,17 @@ def regather(x, src: Names, dst: Names):
         lost = tuple(a for a in layout.axes_of(s) if a not in layout.axes_of(d))
         if lost:
             x = jax.lax.all_gather(x, lost, axis=dim, tiled=True)
-    return x
+    # The block's work is split over every mesh axis; marking x as varying once here makes the
+    # backward pass sum x's gradient in one all-reduce (Megatron's f), not one per use of x.
+    split = tuple(a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1 and a not in varying_axes(x))
+    return jax.lax.pcast(x, split, to="varying") if split else x
+
+
+def varying_axes(x) -> set[str]:
+    """Manual mesh axes over which ``x`` differs from device to device (shard_map's type of x)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.10 keeps it here
+    return set(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
 def reduce_partial(x, contracted: Sequence[str], dst: Names):
@@ -270,7 +280,7 @@ def gather_params(state):
     active = _ACTIVE.get()
 
     def gather_one(var):
-        value = var.get_value() if hasattr(var, "get_value") else var.value
+        value = var.get_value()
         if not jnp.issubdtype(value.dtype, jnp.floating):
             return var
         names = logical_names(var) or (None,) * value.ndim

@@ -185,6 +185,29 @@ def test_gspmd_collectives_span_the_sharded_axes(shape):
     assert all(c.group_size == np.prod([mesh.shape[a] for a in c.mesh_axes]) for c in seen)
 
 
+def test_gspmd_one_axis_mesh():
+    # XLA prints a 1-D mesh as mesh['axis_0'=8,'axis_1'=1] {'axis_0'}.
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AUTO,))
+    x = jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P("d")))
+    text = compiled_text(jax.jit(lambda v: v.sum(0), out_shardings=NamedSharding(mesh, P())), x)
+    c = only(collectives(text, mesh))
+    assert (c.kind, c.group_size, c.mesh_axes, c.operand_bytes) == ("all-reduce", 8, ("d",), 128)
+
+
+def test_gspmd_iota_groups():
+    # A matmul whose contraction is sharded: XLA prints iota groups such as [4,2]<=[2,4]T(1,0).
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AUTO, AUTO))
+    v = jax.device_put(jnp.ones((64, 32)), NamedSharding(mesh, P("x", "y")))
+    text = compiled_text(jax.jit(lambda a: a.T @ a, out_shardings=NamedSharding(mesh, P("x"))), v)
+    assert "<=[" in text
+    cols = collectives(text, mesh)
+    # Whatever plan XLA picks (it differs under an outer jit): the contraction is sharded over
+    # x, so partial sums are reduced over x; gathers bring in the y shards (possibly half at a time).
+    assert [(c.mesh_axes, c.group_size) for c in cols if c.kind == "all-reduce"] == [(("x",), 2)]
+    gathers = [c for c in cols if c.kind == "all-gather"]
+    assert gathers and all(c.mesh_axes == ("y",) and c.group_size in (2, 4) for c in gathers)
+
+
 def test_gspmd_groups_equal_shard_map_groups(mesh):
     # The same reduction written both ways must give the same groups, whatever the syntax.
     x = jax.device_put(jnp.ones((16, 16)), NamedSharding(mesh, P(None, "b")))
@@ -332,8 +355,11 @@ def test_gpu_loop_without_known_trip_count(mesh24):
 
 
 def test_unreadable_trip_count_warns_and_counts_once(mesh24):
-    text = GPU.replace(', backend_config={"known_trip_count":{"n":"7"}}', "")
-    text = text.replace("direction=LT", "direction=EQ")
+    text = GPU.replace("direction=LT", "direction=EQ")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # known_trip_count is enough: the condition is not read
+        assert {c.executions for c in collectives(text, mesh24)} == {7}
+    text = text.replace(', backend_config={"known_trip_count":{"n":"7"}}', "")
     with pytest.warns(UserWarning, match="trip count"):
         cols = collectives(text, mesh24)
     assert {c.executions for c in cols} == {1}

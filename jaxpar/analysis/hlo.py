@@ -18,6 +18,7 @@ Conventions (all checked on programs compiled by jax 0.10 for CPU and, ahead of 
   source-target pairs (2 for a swap, n for a ring over n), ``mesh_axes`` the axes along which some
   pair moves data, and each device sends its operand once (0 bytes when every pair is a self-pair:
   GSPMD emits such pairs and they are local copies).
+- Collectives in computations that nothing calls are left out.
 - Not counted: ``send``/``recv`` (multi-slice transfers on TPU) and other point-to-point ops.
 """
 from __future__ import annotations
@@ -237,7 +238,7 @@ def _mesh_groups(s: str) -> np.ndarray:
         for lo, hi in zip(cuts, cuts[1:]):
             if any(a <= lo and hi <= b for a, b in spans.get(i, [])):
                 grouped.append(len(dims))
-            dims.insert(len(dims), hi // lo) if False else dims.append(hi // lo)
+            dims.append(hi // lo)
     kept = [d for d in range(len(dims)) if d not in grouped]
     g = math.prod(dims[d] for d in grouped)
     return devices.reshape(dims).transpose(kept + grouped).reshape(-1, g)

@@ -32,13 +32,18 @@ def mappings(stage: int) -> dict[str, bool]:
     return {"optimizer": stage >= 1, "grad": stage >= 2, "param": stage >= 3}
 
 
-def traffic_bytes(psi_bytes: float, n: int, stage: int, regather: bool, microbatches: int = 1) -> float:
-    """Analytic bytes per device per step over the ``fsdp`` axis for ``psi_bytes`` of weights."""
+def traffic(psi: float, n: int, stage: int, regather: bool, microbatches: int, compute_bytes: int, reduce_bytes: int, stored_bytes: int) -> dict[str, float]:
+    """Analytic bytes per device per step over ``fsdp`` (n devices) for ``psi`` weights, by collective.
+
+    ZeRO-3 gathers in the compute dtype and reduce-scatters in the reduction dtype each micro-batch;
+    ZeRO-1/2 reduce-scatter gradients (ZeRO-2 every micro-batch, ZeRO-1 once) and all-gather the
+    updated weights in their stored dtype.
+    """
     if n == 1:
-        return 0.0
-    one_pass = psi_bytes * (n - 1) / n
+        return {}
+    one_pass = psi * (n - 1) / n
     if stage == 3:
-        # every micro-batch gathers (once or twice) and reduce-scatters
-        return microbatches * (3 if regather else 2) * one_pass
+        gathers = microbatches * (2 if regather else 1)
+        return {"all-gather": gathers * one_pass * compute_bytes, "reduce-scatter": microbatches * one_pass * reduce_bytes}
     reduce_scatters = microbatches if stage == 2 else 1
-    return (reduce_scatters + 1) * one_pass  # + the all-gather of updated weights
+    return {"reduce-scatter": reduce_scatters * one_pass * reduce_bytes, "all-gather": one_pass * stored_bytes}

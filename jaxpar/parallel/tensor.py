@@ -10,6 +10,8 @@ the forward pass and each block input in the backward pass: per layer 4 all-redu
 LOGICAL_AXES = ("heads", "kv_heads", "mlp", "vocab")
 
 
-def layer_allreduce_bytes(activation_bytes: float, t: int) -> float:
-    """Bytes per device per layer per step: 2 forward + 2 backward all-reduces of one activation."""
-    return 4 * 2.0 * activation_bytes * (t - 1) / t if t > 1 else 0.0
+def activation_passes(layers: int) -> int:
+    """All-reduces of one (batch, length, embed) activation per step: per layer 2 forward (after
+    attention and MLP) and 2 backward (before them), plus the embedding's forward and the output
+    projection's backward. Sequence parallelism turns each into an all-gather and a reduce-scatter."""
+    return 4 * layers + 2

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import LayoutError
-from jaxpar.rules import Layout, gather_params, logical_names, use_layout
+from jaxpar.rules import Layout, gather_params, logical_names, use_layout, varying_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +46,12 @@ class TrainConfig:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up, cosine decay to 10%, and global-norm gradient clipping."""
+    """AdamW with linear warm-up and cosine decay to 10%. (Clipping by the global gradient norm,
+    ``cfg.clip_norm``, is done by the step itself, where the gradient shards are reduced.)"""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1), cfg.learning_rate * 0.1
     )
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
-    )
+    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
 
 
 class TrainState(NamedTuple):
@@ -96,12 +94,13 @@ class Trainer:
         self.layout, self.model_fn, self.loss_fn, self.cfg = layout, model_fn, loss_fn, cfg
         self.optimizer = optimizer or make_optimizer(cfg)
         self.graphdef, self.abstract = abstract_model(model_fn)
-        flat = _paths(self.abstract)
+        flat = self._flat_abstract = _paths(self.abstract)
         self.names = {}
         for path, var in flat.items():
-            names = logical_names(var) or (None,) * var.value.ndim
-            if len(names) != var.value.ndim:
-                raise LayoutError(f"weight {'/'.join(map(str, path))} has shape {var.value.shape} but {len(names)} logical names {names}")
+            value = var.get_value()
+            names = logical_names(var) or (None,) * value.ndim
+            if len(names) != value.ndim:
+                raise LayoutError(f"weight {'/'.join(map(str, path))} has shape {value.shape} but {len(names)} logical names {names}")
             self.names[path] = names
         self._check_layout(flat)
         self.param_specs = _nest({p: self._spec(p, "param") for p in flat})
@@ -117,6 +116,7 @@ class Trainer:
         )
         self.state_shardings = TrainState(shard(self.param_specs), shard(self.opt_specs), NamedSharding(layout.mesh, PartitionSpec()))
         self._step = None
+        self.accumulator_bytes = None  # set when the step is traced
 
     # --- layout checks, before any device memory is touched --------------------------------
 
@@ -130,7 +130,7 @@ class Trainer:
                 names = self.names[path]
                 if mapping == "compute":
                     names = tuple(None if n == "layers" else n for n in names)
-                self.layout.spec(names, mapping, var.value.shape, what)
+                self.layout.spec(names, mapping, var.get_value().shape, what)
 
     def batch_sharding(self, batch) -> Any:
         spec = PartitionSpec(self.layout.batch_axes or None)
@@ -170,6 +170,10 @@ class Trainer:
 
     # --- the step ------------------------------------------------------------------------
 
+    def abstract_leaf(self, path):
+        """ShapeDtypeStruct of one weight by its path."""
+        return self._flat_abstract[path].get_value()
+
     def _with_values(self, pure):
         state = jax.tree.map(lambda v: v, self.abstract)
         nnx.replace_by_pure_dict(state, pure)
@@ -204,7 +208,7 @@ class Trainer:
         # Make every weight vary over the batch axes: its gradient is then the unreduced local one,
         # and the reductions below are the only ones (no implicit all-reduce from autodiff).
         def to_varying(path, x):
-            have = _varying_axes(x)
+            have = varying_axes(x)
             axes = tuple(a for a in layout.batch_axes if a not in have)
             return jax.lax.pcast(x, axes, to="varying") if axes else x
 
@@ -237,20 +241,38 @@ class Trainer:
             for dim, axes in plans[path][0]:
                 shape[dim] //= math.prod(layout.mesh.shape[a] for a in axes)
             zeros = jnp.zeros(shape, jnp.float32)
-            vma = _varying_axes(x) | set(layout.batch_axes)
+            vma = varying_axes(x) | set(layout.batch_axes)
             return jax.lax.pcast(zeros, tuple(vma), to="varying") if vma else zeros
 
         acc = _nest({p: acc_zeros(p, v) for p, v in _flatten(varying).items()})
+        # per-device bytes of the buffer the micro-batch loop carries (the memory report reads it)
+        self.accumulator_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(acc))
         acc, losses = jax.lax.scan(micro_step, acc, micro)
         loss = jax.lax.psum(jnp.sum(losses), layout.batch_axes) if layout.batch_axes else jnp.sum(losses)
-        return loss, reduce(acc, "final")
+        grads = reduce(acc, "final")
+        norm = self._global_norm(grads)
+        if cfg.clip_norm:
+            scale = jnp.minimum(1.0, cfg.clip_norm / jnp.maximum(norm, 1e-30))
+            grads = jax.tree.map(lambda g: g * scale, grads)
+        return loss, norm, grads
+
+    def _global_norm(self, grads):
+        """Norm of the whole gradient from its shards: each shard's squares summed over the axes it
+        is split over (once per group of leaves split alike), never over axes it is copied on."""
+        by_axes: dict[tuple, jax.Array] = {}
+        for path, g in _flatten(grads).items():
+            axes = tuple(a for entry in self.layout.spec(self.names[path], "optimizer") if entry for a in (entry if isinstance(entry, tuple) else (entry,)))
+            by_axes[axes] = by_axes.get(axes, 0.0) + jnp.sum(jnp.square(g))
+        total = sum(jax.lax.psum(s, axes) if axes else s for axes, s in by_axes.items())
+        return jnp.sqrt(total)
 
     @property
     def _reduce_dtype(self):
         return jnp.dtype(self.cfg.grad_reduce_dtype)
 
     def grad_fn(self):
-        """(params, batch) -> (loss, gradients laid out like the optimizer state), under the layout."""
+        """(params, batch) -> (loss, gradient norm, clipped gradients laid out like the optimizer
+        state), under the layout."""
         mesh, layout = self.layout.mesh, self.layout
         batch_spec = PartitionSpec(layout.batch_axes or None)
 
@@ -260,7 +282,8 @@ class Trainer:
 
         def grads(params, batch):
             in_specs = (self.param_specs, jax.tree.map(lambda _: batch_spec, batch))
-            fn = jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=(PartitionSpec(), self.opt_specs_by_param))
+            out_specs = (PartitionSpec(), PartitionSpec(), self.opt_specs_by_param)
+            fn = jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
             return fn(params, batch)
 
         return grads
@@ -270,10 +293,10 @@ class Trainer:
         grads_of = self.grad_fn()
 
         def step(state: TrainState, batch):
-            loss, grads = grads_of(state.params, batch)
+            loss, grad_norm, grads = grads_of(state.params, batch)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+            metrics = {"loss": loss, "grad_norm": grad_norm}
             return TrainState(params, opt_state, state.step + 1), metrics
 
         return step
@@ -314,9 +337,3 @@ def _flatten(tree) -> dict:
     walk(tree, ())
     return out
 
-
-def _varying_axes(x) -> set[str]:
-    """Manual mesh axes over which ``x`` differs from device to device (shard_map's type)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax >= 0.10 keeps it here
-    return set(mat.varying if mat is not None else getattr(aval, "vma", ()))

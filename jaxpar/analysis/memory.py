@@ -1,0 +1,70 @@
+"""Per-device memory of a training layout: measured on compiled programs, and the ZeRO table.
+
+Measured:
+- parameters: output bytes of the compiled parameter initialisation (stored layout);
+- optimizer state: output bytes of the compiled optimizer initialisation;
+- gradient accumulation buffer: the per-device shapes of the buffer the compiled step's
+  micro-batch loop carries (recorded when the step is traced);
+- temporaries, arguments, outputs, generated code: ``compiled.memory_analysis()`` of the step.
+
+The ZeRO table (Psi weights, per device, after tensor parallelism divides what it shards): weights
+4 bytes (float32 master copy; bf16 copies for compute are transient), gradient accumulation 4
+bytes, Adam moments 8 bytes, each divided by the ``fsdp`` degree from the stage that shards it
+(ZeRO-1: optimizer, ZeRO-2: + gradients, ZeRO-3: + weights).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from flax import nnx
+
+BYTES_PER_PARAM = {"parameters": 4, "gradient_accumulation": 4, "optimizer": 8}
+_STAGE_THAT_SHARDS = {"optimizer": 1, "gradient_accumulation": 2, "parameters": 3}
+
+
+def tensor_local_params(trainer) -> float:
+    """Weights one device holds after tensor parallelism (no data-parallel sharding)."""
+    layout, total = trainer.layout, 0.0
+    for path, names in trainer.names.items():
+        numel = math.prod(trainer.abstract_leaf(path).shape)
+        ways = math.prod(layout.mesh.shape[a] for n in names for a in layout.axes_of(n, "compute") if a != "fsdp")
+        total += numel / ways
+    return total
+
+
+def zero_table(trainer, zero_stage: int) -> dict[str, float]:
+    """Bytes per device the ZeRO table predicts for this layout."""
+    psi = tensor_local_params(trainer)
+    fsdp = trainer.layout.mesh.shape["fsdp"]
+    return {
+        kind: BYTES_PER_PARAM[kind] * psi / (fsdp if fsdp > 1 and zero_stage >= _STAGE_THAT_SHARDS[kind] else 1)
+        for kind in BYTES_PER_PARAM
+    }
+
+
+def measured_memory(trainer, compiled_step) -> dict[str, int]:
+    """Bytes per device by kind, read from compiled programs (see the module docstring)."""
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+
+    def init_params(k):
+        with nnx.use_eager_sharding(False):
+            return nnx.to_pure_dict(nnx.state(trainer.model_fn(nnx.Rngs(k))))
+
+    params = jax.jit(init_params, out_shardings=trainer.state_shardings.params).lower(key).compile()
+    abstract_params = trainer.abstract_state().params
+    opt = jax.jit(trainer.optimizer.init, out_shardings=trainer.state_shardings.opt_state).lower(abstract_params).compile()
+    step = compiled_step.memory_analysis()
+    opt_bytes = opt.memory_analysis().output_size_in_bytes
+    # optax keeps a step counter per state; it is not part of the per-parameter table
+    opt_bytes -= sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_state().opt_state) if x.ndim == 0)
+    return {
+        "parameters": params.memory_analysis().output_size_in_bytes,
+        "optimizer": opt_bytes,
+        "gradient_accumulation": trainer.accumulator_bytes,
+        "temporaries": step.temp_size_in_bytes,
+        "arguments": step.argument_size_in_bytes,
+        "outputs": step.output_size_in_bytes,
+        "generated_code": step.generated_code_size_in_bytes,
+    }

@@ -1,0 +1,82 @@
+"""``jaxpar`` command line: a thin layer over the Python API (no logic of its own)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _simulate_cpu_devices(count: int):
+    """Ask XLA for ``count`` simulated CPU devices; must run before JAX initialises."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def _train_parser(sub):
+    p = sub.add_parser("train", help="train a Llama under a layout on the shipped corpus (default: tiny, cpu-8, fsdp=4,tensor=2)")
+    p.add_argument("--model", default="tiny", help="tiny | llama-1b | llama2-7b | llama3-8b | llama2-70b")
+    p.add_argument("--topology", default="cpu-8", help="a name from meshes/ or a path to a topology TOML file")
+    p.add_argument("--strategy", default="fsdp=4,tensor=2", help='parallel spec and options, e.g. "data=2,fsdp=-1,tensor=2,zero=3,sp=off"')
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=32, help="global batch, in sequences")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-json", metavar="PATH", help="write per-step loss and time and the memory and communication report here")
+    p.add_argument("--learning-rate", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per optimizer step")
+    p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 keeps float32 master weights")
+    p.add_argument("--grad-reduce-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype gradients are summed across devices in")
+    p.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="what the backward pass recomputes")
+    return p
+
+
+def _train(args) -> int:
+    from jaxpar.topology import load_topology
+
+    topology = load_topology(args.topology)
+    if topology.platform == "cpu":
+        _simulate_cpu_devices(topology.num_chips)
+    from jaxpar.train.loop import RunConfig, format_summary, run_training, write_json_atomically
+    from jaxpar.train.step import TrainConfig
+
+    run = RunConfig(
+        model=args.model, strategy=args.strategy, steps=args.steps, batch_size=args.batch_size,
+        seq_len=args.seq_len, seed=args.seed, remat=args.remat,
+        train=TrainConfig(
+            learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, microbatches=args.microbatches,
+            compute_dtype=args.compute_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
+        ),
+    )
+    for name, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--microbatches", args.microbatches)):
+        if value <= 0:
+            raise SystemExit(f"jaxpar train: {name} must be positive, got {value}")
+    report = run_training(run, topology)
+    print(format_summary(report))
+    if args.metrics_json:
+        write_json_atomically(args.metrics_json, report)
+        print(f"\nmetrics written to {args.metrics_json}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxpar", description="Write a model once with logical axis names; run it under any layout.")
+    sub = parser.add_subparsers(dest="command")
+    _train_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from jaxpar.errors import JaxparError
+
+    try:
+        return {"train": _train}[args.command](args)
+    except JaxparError as err:
+        print(f"jaxpar {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
