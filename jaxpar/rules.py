@@ -269,31 +269,36 @@ def _gather_weight(value, names, layout: Layout, dtype, reduce_dtype):
     return checkpoint_name(gather(value), GATHERED)
 
 
+def gathered(var):
+    """One nnx weight as an array in its compute layout and dtype (gathered from its stored shards
+    inside jaxpar's step; the unchanged value elsewhere). Stacked layer weights must be sliced
+    first: their ``layers`` name is dropped once the dim is gone."""
+    value = var.get_value()
+    active = _ACTIVE.get()
+    if active is None or not jnp.issubdtype(value.dtype, jnp.floating):
+        return value
+    if not active.manual:
+        return value.astype(active.compute_dtype)
+    names = logical_names(var) or (None,) * value.ndim
+    if len(names) == value.ndim + 1 and "layers" in names:
+        names = tuple(n for n in names if n != "layers")
+    return _gather_weight(value, names, active.layout, active.compute_dtype, active.grad_reduce_dtype)
+
+
 def gather_params(state):
     """Weights of an nnx State, gathered for compute and cast to the compute dtype.
 
-    Stacked layer weights (logical axis ``layers`` still present) are left alone: the model gathers
-    them one layer at a time inside its layer scan by calling this on the layer's slice.
+    jaxpar's step calls this on a model's whole state before running it. Stacked layer weights
+    (logical axis ``layers`` still present) are left alone: a model gathers them one layer at a
+    time inside its layer scan, by calling this on the layer's slice.
     """
     from flax import nnx
 
-    active = _ACTIVE.get()
-
     def gather_one(var):
-        value = var.get_value()
-        if not jnp.issubdtype(value.dtype, jnp.floating):
-            return var
-        names = logical_names(var) or (None,) * value.ndim
-        if "layers" in names:
-            if len(names) == value.ndim:
-                return var  # still stacked: gathered per layer in the scan
-            names = tuple(n for n in names if n != "layers")
-        if active is None:
-            return var.replace(value=value)
-        if not active.manual:
-            return var.replace(value=value.astype(active.compute_dtype))
-        gathered = _gather_weight(value, names, active.layout, active.compute_dtype, active.grad_reduce_dtype)
-        return var.replace(value=gathered)
+        names = logical_names(var) or ()
+        if "layers" in names and len(names) == var.get_value().ndim:
+            return var  # still stacked: gathered per layer in the scan
+        return var.replace(value=gathered(var))
 
     return jax.tree.map(gather_one, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
@@ -304,6 +309,8 @@ def layer_checkpoint(fn, remat: str = "none"):
     ``remat``: ``none`` keeps activations, ``full`` recomputes the layer, ``dots`` keeps only
     matmul outputs. Gathered weights are kept for the backward pass unless the layout says
     ``regather`` (then they are gathered again: 3 instead of 2 passes of weight traffic).
+    Only weights gathered inside the wrapped body (a scanned layer's) can be gathered again:
+    outside a loop XLA merges a recomputed gather with the forward one.
     """
     active = _ACTIVE.get()
     regather = active is not None and active.manual and active.layout.regather
@@ -311,7 +318,9 @@ def layer_checkpoint(fn, remat: str = "none"):
     if remat == "none":
         if not regather:
             return fn
-        policy = cp.save_anything_except_these_names(GATHERED)
+        # keep matmul outputs; recompute the elementwise ops and the gathers (naming the gathered
+        # weights "not saveable" is not enough: autodiff may save the same value unnamed)
+        policy = cp.dots_saveable
     elif remat == "full":
         policy = cp.nothing_saveable if regather else cp.save_only_these_names(GATHERED)
     elif remat == "dots":

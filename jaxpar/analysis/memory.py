@@ -24,10 +24,13 @@ BYTES_PER_PARAM = {"parameters": 4, "gradient_accumulation": 4, "optimizer": 8}
 _STAGE_THAT_SHARDS = {"optimizer": 1, "gradient_accumulation": 2, "parameters": 3}
 
 
-def tensor_local_params(trainer) -> float:
-    """Weights one device holds after tensor parallelism (no data-parallel sharding)."""
+def tensor_local_params(trainer, only_layers: bool = False) -> float:
+    """Weights one device holds after tensor parallelism (no data-parallel sharding); with
+    ``only_layers``, just the stacked layer weights (logical axis ``layers``)."""
     layout, total = trainer.layout, 0.0
     for path, names in trainer.names.items():
+        if only_layers and "layers" not in names:
+            continue
         numel = math.prod(trainer.abstract_leaf(path).shape)
         ways = math.prod(layout.mesh.shape[a] for n in names for a in layout.axes_of(n, "compute") if a != "fsdp")
         total += numel / ways

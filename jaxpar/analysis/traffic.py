@@ -36,7 +36,8 @@ def optimal_traffic(trainer, strategy, batch_shape, model_cfg=None) -> dict[str,
     psi = tensor_local_params(trainer)
     f, r, t = mesh["fsdp"], mesh["data"], mesh["tensor"]
     total: dict[str, float] = {}
-    _add(total, fsdp.traffic(psi, f, strategy.zero_stage, strategy.regather, cfg.microbatches, cb, rb, 4))
+    regathered = tensor_local_params(trainer, only_layers=True) if strategy.regather else 0.0
+    _add(total, fsdp.traffic(psi, f, strategy.zero_stage, cfg.microbatches, cb, rb, 4, regathered))
     if r > 1:
         reduced = hsdp.cross_group_bytes(psi * rb, r, f) if f > 1 else data.grad_allreduce_bytes(psi * rb, r)
         _add(total, {"all-reduce": reduced})

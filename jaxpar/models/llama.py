@@ -96,9 +96,9 @@ class Llama(nnx.Module):
     def __call__(self, tokens):
         """Logits (batch, length, vocab) for int tokens (batch, length).
 
-        Top-level weights arrive gathered and in the compute dtype (the caller runs
-        ``gather_params`` on the model's state); the stacked layer weights are gathered here,
-        one layer per scan step."""
+        Top-level weights arrive gathered and in the compute dtype (jaxpar's step runs
+        ``gather_params`` on the model's state); the stacked layer weights are gathered here, one
+        layer per scan step."""
         cfg = self.cfg
         x = ops.embed_lookup(self.embedding[...], tokens, RESIDUAL)
         positions = jnp.arange(tokens.shape[1])

@@ -32,18 +32,19 @@ def mappings(stage: int) -> dict[str, bool]:
     return {"optimizer": stage >= 1, "grad": stage >= 2, "param": stage >= 3}
 
 
-def traffic(psi: float, n: int, stage: int, regather: bool, microbatches: int, compute_bytes: int, reduce_bytes: int, stored_bytes: int) -> dict[str, float]:
+def traffic(psi: float, n: int, stage: int, microbatches: int, compute_bytes: int, reduce_bytes: int, stored_bytes: int, regathered_psi: float = 0.0) -> dict[str, float]:
     """Analytic bytes per device per step over ``fsdp`` (n devices) for ``psi`` weights, by collective.
 
-    ZeRO-3 gathers in the compute dtype and reduce-scatters in the reduction dtype each micro-batch;
-    ZeRO-1/2 reduce-scatter gradients (ZeRO-2 every micro-batch, ZeRO-1 once) and all-gather the
-    updated weights in their stored dtype.
+    ZeRO-3 gathers in the compute dtype and reduce-scatters in the reduction dtype each micro-batch,
+    gathering ``regathered_psi`` of the weights a second time for the backward pass; ZeRO-1/2
+    reduce-scatter gradients (ZeRO-2 every micro-batch, ZeRO-1 once) and all-gather the updated
+    weights in their stored dtype.
     """
     if n == 1:
         return {}
-    one_pass = psi * (n - 1) / n
+    share = (n - 1) / n
     if stage == 3:
-        gathers = microbatches * (2 if regather else 1)
-        return {"all-gather": gathers * one_pass * compute_bytes, "reduce-scatter": microbatches * one_pass * reduce_bytes}
+        gathered = microbatches * (psi + regathered_psi) * share * compute_bytes
+        return {"all-gather": gathered, "reduce-scatter": microbatches * psi * share * reduce_bytes}
     reduce_scatters = microbatches if stage == 2 else 1
-    return {"reduce-scatter": reduce_scatters * one_pass * reduce_bytes, "all-gather": one_pass * stored_bytes}
+    return {"reduce-scatter": reduce_scatters * psi * share * reduce_bytes, "all-gather": psi * share * stored_bytes}

@@ -216,8 +216,7 @@ class Trainer:
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
         def objective(p, mb):
-            state = gather_params(self._with_values(p))
-            model = nnx.merge(self.graphdef, state)
+            model = nnx.merge(self.graphdef, gather_params(self._with_values(p)))
             return self.loss_fn(model, mb) / shards
 
         def reduce(grads, which):
