@@ -124,14 +124,34 @@ def make_mesh(spec: ParallelSpec, devices=None, num_slices: int = 1):
     devices = list(jax.devices() if devices is None else devices)
     if spec.num_devices != len(devices):
         raise SpecError(f"spec {spec} needs {spec.num_devices} devices but {len(devices)} were given")
-    shape = tuple(spec.degrees[a] for a in AXES)
     if num_slices > 1:
-        from jax.experimental import mesh_utils
+        grid = _hybrid_grid(spec, devices, num_slices)
+    elif devices[0].platform == "tpu":
+        from jax.experimental import mesh_utils  # follows the physical torus so axes map onto rings
 
-        ici, dcn = split_ici_dcn(spec, num_slices)
-        grid = mesh_utils.create_hybrid_device_mesh(
-            [ici[a] for a in AXES], [dcn[a] for a in AXES], devices=devices, allow_split_physical_axes=True
-        )
+        shape = tuple(spec.degrees[a] for a in AXES)
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     else:
-        grid = np.array(devices, dtype=object).reshape(shape)
+        grid = np.array(devices, dtype=object).reshape(tuple(spec.degrees[a] for a in AXES))
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def _hybrid_grid(spec: ParallelSpec, devices, num_slices: int):
+    """Device grid whose every axis is (DCN part outer) x (ICI part inner).
+
+    Devices are grouped into slices by ``slice_index`` where JAX reports one (TPU), else into equal
+    consecutive blocks (simulated devices, one host per slice)."""
+    import numpy as np
+
+    ici, dcn = split_ici_dcn(spec, num_slices)
+    if len(devices) % num_slices:
+        raise SpecError(f"{len(devices)} devices cannot form {num_slices} equal slices")
+    if all(getattr(d, "slice_index", None) is not None for d in devices):
+        devices = sorted(devices, key=lambda d: (d.slice_index, d.id))
+    per_slice = len(devices) // num_slices
+    slices = np.array(devices, dtype=object).reshape((num_slices, per_slice))
+    # (dcn_0..dcn_5, ici_0..ici_5) -> interleave -> each axis = dcn * ici
+    full = slices.reshape(tuple(dcn[a] for a in AXES) + tuple(ici[a] for a in AXES))
+    n = len(AXES)
+    full = full.transpose([i for pair in zip(range(n), range(n, 2 * n)) for i in pair])
+    return full.reshape(tuple(spec.degrees[a] for a in AXES))

@@ -108,6 +108,8 @@ class Layout:
                         f"{'/'.join(axes)} or the size of {name!r}"
                     )
             entries.append(axes[0] if len(axes) == 1 else (axes or None))
+        while entries and entries[-1] is None:
+            entries.pop()  # P("fsdp", None) and P("fsdp") mean the same; keep the short form
         return PartitionSpec(*entries)
 
     def sharding(self, names: Names | None, mapping: str = "compute", shape=None, what: str = "tensor") -> NamedSharding:

@@ -65,9 +65,10 @@ def parse_strategy(text: str, num_devices: int) -> Strategy:
     zero = 3
     if "zero" in options:
         try:
-            zero = fsdp.check_stage(int(options["zero"]))
+            zero = int(options["zero"])
         except ValueError:
             raise SpecError(f"option zero={options['zero']!r}: use 1, 2 or 3") from None
+        fsdp.check_stage(zero)
         if spec.degrees["fsdp"] == 1:
             raise SpecError(f"zero={zero} shards over the fsdp axis, but strategy {text!r} has fsdp=1; add e.g. fsdp=-1")
     sp = _flag("sp", options["sp"]) if "sp" in options else False

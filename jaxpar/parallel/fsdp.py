@@ -23,7 +23,7 @@ STAGES = (1, 2, 3)
 
 def check_stage(stage: int) -> int:
     if stage not in STAGES:
-        raise SpecError(f"ZeRO stage {stage!r} is unknown; use zero=1 (optimizer state), 2 (+gradients) or 3 (+weights, FSDP)")
+        raise SpecError(f"zero={stage!r} is not a ZeRO stage; use zero=1 (optimizer state), 2 (+gradients) or 3 (+weights, FSDP)")
     return stage
 
 
