@@ -20,7 +20,7 @@ def _train_parser(sub):
     p.add_argument("--topology", default="cpu-8", help="a name from meshes/ or a path to a topology TOML file")
     p.add_argument("--strategy", default="fsdp=4,tensor=2", help='parallel spec and options, e.g. "data=2,fsdp=-1,tensor=2,zero=3,sp=off"')
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=32, help="global batch, in sequences")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-json", metavar="PATH", help="write per-step loss and time and the memory and communication report here")
@@ -31,6 +31,36 @@ def _train_parser(sub):
     p.add_argument("--grad-reduce-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype gradients are summed across devices in")
     p.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="what the backward pass recomputes")
     return p
+
+
+def _bench_parser(sub):
+    p = sub.add_parser("bench", help="every strategy on the same model and devices: step time, traffic vs optimum, memory vs ZeRO table")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--topology", default="cpu-8")
+    p.add_argument("--steps", type=int, default=6, help="steps per strategy (the first, which compiles, is not timed)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--strategies", help="comma-free list separated by ';' (default: the standard set)")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    return p
+
+
+def _bench(args) -> int:
+    from jaxpar.topology import load_topology
+
+    topology = load_topology(args.topology)
+    if topology.platform == "cpu":
+        _simulate_cpu_devices(topology.num_chips)
+    from jaxpar.train.bench import STRATEGIES, bench, format_table
+    from jaxpar.train.loop import RunConfig, write_json_atomically
+
+    strategies = args.strategies.split(";") if args.strategies else STRATEGIES
+    run = RunConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len)
+    rows = bench(run, topology, strategies)
+    print(format_table(rows))
+    if args.json:
+        write_json_atomically(args.json, {"model": args.model, "topology": args.topology, "rows": rows})
+    return 0
 
 
 def _train(args) -> int:
@@ -65,6 +95,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxpar", description="Write a model once with logical axis names; run it under any layout.")
     sub = parser.add_subparsers(dest="command")
     _train_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -72,7 +103,7 @@ def main(argv=None) -> int:
     from jaxpar.errors import JaxparError
 
     try:
-        return {"train": _train}[args.command](args)
+        return {"train": _train, "bench": _bench}[args.command](args)
     except JaxparError as err:
         print(f"jaxpar {args.command}: {err}", file=sys.stderr)
         return 2

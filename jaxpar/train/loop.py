@@ -29,7 +29,7 @@ class RunConfig:
     model: str = "tiny"
     strategy: str = "fsdp=4,tensor=2"
     steps: int = 300
-    batch_size: int = 32
+    batch_size: int = 16
     seq_len: int = 128
     seed: int = 0
     remat: str = "none"
@@ -75,7 +75,7 @@ def run_training(run: RunConfig, topology: Topology, progress=sys.stderr) -> dic
     example = trainer.put_batch(data.batch_at(tokens, 0, run.batch_size, run.seq_len, run.seed))
     compiled = trainer.jit_step(example).lower(state, example).compile()
     losses, times = [], []
-    bar = _Progress(run.steps, progress)
+    bar = _Progress(run.steps, progress) if progress else None
     for step in range(run.steps):
         batch = trainer.put_batch(data.batch_at(tokens, step, run.batch_size, run.seq_len, run.seed))
         start = time.perf_counter()
@@ -83,8 +83,10 @@ def run_training(run: RunConfig, topology: Topology, progress=sys.stderr) -> dic
         loss = float(metrics["loss"])  # waits for the step: the time below is the step's own
         times.append(time.perf_counter() - start)
         losses.append(loss)
-        bar.update(step + 1, loss, run.batch_size * run.seq_len / times[-1])
-    bar.close()
+        if bar:
+            bar.update(step + 1, loss, run.batch_size * run.seq_len / times[-1])
+    if bar:
+        bar.close()
 
     eval_fn = jax.jit(trainer.grad_fn())
     eval_batch = trainer.put_batch(data.batch_at(held_out, 0, run.batch_size, run.seq_len, run.seed))

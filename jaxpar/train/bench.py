@@ -1,0 +1,58 @@
+"""``jaxpar bench``: every strategy on the same model and devices, side by side.
+
+For each strategy: median step time, tokens/s, collective bytes per device against the analytic
+optimum, and per-device memory against the ZeRO table, as a table and as JSON. Figures from one
+run are comparable with each other (same machine, same moment); across machines compare ratios.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.topology import Topology
+from jaxpar.train.loop import RunConfig, run_training
+
+STRATEGIES = (
+    "data=8",
+    "fsdp=8",
+    "fsdp=8,regather=on",
+    "fsdp=8,zero=1",
+    "fsdp=8,zero=2",
+    "data=2,fsdp=4",
+    "data=2,tensor=4",
+    "data=2,tensor=4,sp=on",
+    "fsdp=4,tensor=2",
+    "data=2,fsdp=2,tensor=2",
+)
+
+
+def bench(run: RunConfig, topology: Topology, strategies=STRATEGIES) -> list[dict]:
+    rows = []
+    for text in strategies:
+        report = run_training(dataclasses.replace(run, strategy=text), topology, progress=None)
+        comm = {k: v for k, v in report["communication"].items() if k not in ("by_axes", "scalar all-reduce")}
+        measured = report["memory"]["measured_bytes_per_device"]
+        table = report["memory"]["zero_table_bytes_per_device"]
+        rows.append({
+            "strategy": report["strategy"],
+            "step_time_s": sorted(report["step_times_s"][1:] or report["step_times_s"])[len(report["step_times_s"][1:]) // 2],
+            "tokens_per_s": report["tokens_per_s"],
+            "collective_bytes": sum(v["measured_bytes"] for v in comm.values()),
+            "optimal_bytes": sum(v["optimal_bytes"] for v in comm.values()),
+            "memory_bytes": sum(measured[k] for k in table),
+            "zero_table_bytes": sum(table.values()),
+            "temporaries_bytes": measured["temporaries"],
+        })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'strategy':28s} {'step ms':>8s} {'tok/s':>8s} {'comm MiB':>9s} {'/optimum':>8s} {'state MiB':>9s} {'/ZeRO':>6s} {'temp MiB':>8s}"
+    lines = [head]
+    for r in rows:
+        ratio = r["collective_bytes"] / r["optimal_bytes"] if r["optimal_bytes"] else float("nan")
+        lines.append(
+            f"{r['strategy']:28s} {1e3 * r['step_time_s']:8.1f} {r['tokens_per_s']:8.0f} {r['collective_bytes'] / 2**20:9.2f} "
+            f"{ratio:8.3f} {r['memory_bytes'] / 2**20:9.2f} {r['memory_bytes'] / r['zero_table_bytes']:6.3f} {r['temporaries_bytes'] / 2**20:8.2f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""Communication and memory of each strategy, measured on the compiled step, against the analytic
+optimum and the ZeRO table (both within 2%); no collective kind the strategy does not call for."""
+import dataclasses
+
+import jax
+import pytest
+
+from jaxpar.analysis import memory, traffic
+from jaxpar.models import llama
+from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.train.step import TrainConfig, Trainer
+
+TINY = llama.CONFIGS["tiny"]
+BATCH, SEQ = 16, 32
+
+
+def compiled(strategy_text, cfg=TrainConfig(), model_cfg=TINY):
+    strategy = parse_strategy(strategy_text, 8)
+    trainer = Trainer(build_layout(strategy), lambda r: llama.Llama(model_cfg, rngs=r), llama.loss_fn, cfg)
+    batch = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jax.numpy.int32)
+    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding(batch))
+    step = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
+    return strategy, trainer, step
+
+
+COMMUNICATION = {
+    # strategy: the collective kinds it must use (anything else is a failure)
+    "data=8": {"all-reduce"},
+    "fsdp=8": {"all-gather", "reduce-scatter"},
+    "fsdp=8,regather=on": {"all-gather", "reduce-scatter"},
+    "fsdp=8,zero=1": {"all-gather", "reduce-scatter"},
+    "fsdp=8,zero=2": {"all-gather", "reduce-scatter"},
+    "data=2,fsdp=4": {"all-gather", "reduce-scatter", "all-reduce"},
+    "data=2,tensor=4": {"all-reduce"},
+    "data=2,tensor=4,sp=on": {"all-gather", "reduce-scatter", "all-reduce"},
+    "data=2,fsdp=2,tensor=2": {"all-gather", "reduce-scatter", "all-reduce"},
+}
+
+
+@pytest.mark.parametrize("strategy_text", list(COMMUNICATION))
+def test_collective_bytes_match_the_analytic_optimum(strategy_text):
+    strategy, trainer, step = compiled(strategy_text)
+    report = traffic.compare(step.as_text(), trainer, strategy, (BATCH, SEQ), TINY)
+    kinds = {k for k, row in report.items() if k not in ("by_axes", "scalar all-reduce") and row["measured_bytes"] > 0}
+    assert kinds == COMMUNICATION[strategy_text], report
+    for kind in kinds:
+        assert report[kind]["ratio"] == pytest.approx(1.0, abs=0.02), (kind, report[kind])
+    # the only other traffic: a few scalars (loss, gradient norm)
+    assert report["scalar all-reduce"]["measured_bytes"] < 64
+
+
+def test_fsdp_traffic_is_2_or_3_parameter_passes():
+    # independent of the model's structure: Psi_b = weights x 4 bytes, N = 8
+    psi_bytes = TINY.num_params() * 4
+    _, trainer, keep = compiled("fsdp=8")
+    sent = traffic.hlo.summarize(traffic.hlo.collectives(keep.as_text(), trainer.layout.mesh))
+    two = sent["all-gather"]["bytes_per_device"] + sent["reduce-scatter"]["bytes_per_device"]
+    assert two == pytest.approx(2 * psi_bytes * 7 / 8, rel=0.02)
+    _, trainer, again = compiled("fsdp=8,regather=on")
+    sent = traffic.hlo.summarize(traffic.hlo.collectives(again.as_text(), trainer.layout.mesh))
+    layers_bytes = (TINY.num_params() - 2 * TINY.vocab_size * TINY.embed - TINY.embed) * 4  # gathered twice
+    three = sent["all-gather"]["bytes_per_device"] + sent["reduce-scatter"]["bytes_per_device"]
+    assert three == pytest.approx((2 * psi_bytes + layers_bytes) * 7 / 8, rel=0.02)
+
+
+def test_bf16_compute_gathers_in_bf16_and_reduces_in_fp32():
+    cfg = TrainConfig(compute_dtype="bfloat16", grad_reduce_dtype="float32")
+    strategy, trainer, step = compiled("fsdp=8", cfg)
+    cols = traffic.hlo.collectives(step.as_text(), trainer.layout.mesh)
+    assert {c.dtype for c in cols if c.kind == "all-gather"} == {"bf16"}
+    assert {c.dtype for c in cols if c.kind == "reduce-scatter"} == {"f32"}
+    report = traffic.compare(step.as_text(), trainer, strategy, (BATCH, SEQ), TINY)
+    assert report["all-gather"]["ratio"] == pytest.approx(1.0, abs=0.02)
+
+
+@pytest.mark.parametrize("strategy_text", ["data=8", "fsdp=8,zero=1", "fsdp=8,zero=2", "fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2"])
+def test_memory_follows_the_zero_table(strategy_text):
+    # two micro-batches, so the step really carries a gradient accumulation buffer
+    strategy, trainer, step = compiled(strategy_text, TrainConfig(microbatches=2))
+    measured = memory.measured_memory(trainer, step)
+    table = memory.zero_table(trainer, strategy.zero_stage)
+    for kind in ("parameters", "gradient_accumulation", "optimizer"):
+        assert measured[kind] == pytest.approx(table[kind], rel=0.02), (kind, measured[kind], table[kind])
+
+
+def test_zero_table_bytes_per_parameter():
+    # Psi = all weights; fsdp = 8: the stages divide parameters (3), gradients (2), optimizer (1) by 8
+    psi = TINY.num_params()
+    strategy, trainer, _ = compiled("fsdp=8,zero=2")
+    table = memory.zero_table(trainer, strategy.zero_stage)
+    assert table == pytest.approx({"parameters": 4 * psi, "gradient_accumulation": 4 * psi / 8, "optimizer": 8 * psi / 8})
