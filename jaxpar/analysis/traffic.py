@@ -33,6 +33,8 @@ def optimal_traffic(trainer, strategy, batch_shape, model_cfg=None) -> dict[str,
     """
     mesh, cfg = trainer.layout.mesh.shape, trainer.cfg
     cb, rb = jnp.dtype(cfg.compute_dtype).itemsize, jnp.dtype(cfg.grad_reduce_dtype).itemsize
+    if trainer.layout.mesh.devices.flat[0].platform == "cpu":
+        cb, rb = max(cb, 4), max(rb, 4)  # XLA:CPU runs bf16 collectives in f32 (GPU and TPU do not)
     psi = tensor_local_params(trainer)
     f, r, t = mesh["fsdp"], mesh["data"], mesh["tensor"]
     total: dict[str, float] = {}
