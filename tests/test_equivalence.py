@@ -14,6 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxpar.errors import LayoutError
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.rules import reduce_partial
@@ -154,3 +155,35 @@ def regression_batches():
 def test_own_nnx_model_matches_one_device(strategy):
     reference = oracle(Regressor, regression_loss, regression_batches())
     assert_same(sharded(strategy, Regressor, regression_loss, regression_batches()), reference)
+
+
+class ForgetsTheSum(Regressor):
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x))) * self.scale[...]  # no reduce_partial
+
+
+def test_model_that_forgets_a_tensor_parallel_sum_is_refused():
+    trainer = Trainer(build_layout(parse_strategy("fsdp=4,tensor=2", 8)), ForgetsTheSum, regression_loss, CFG)
+    state = trainer.init(seed=0)
+    with pytest.raises(LayoutError, match=r"\['tensor'\].*reduce_partial"):
+        trainer.step(state, trainer.put_batch(regression_batches()[0]))
+
+
+@pytest.mark.parametrize(
+    "strategy, change",
+    [
+        ("fsdp=4,tensor=2", dict(tie_embeddings=True)),
+        ("data=2,fsdp=2,tensor=2,sp=on", dict(remat="full")),
+        ("fsdp=8,regather=on", dict(remat="dots")),
+    ],
+)
+def test_llama_variants_match_one_device(strategy, change, tokens):
+    model_fn = lambda rngs: llama.Llama(dataclasses.replace(llama.CONFIGS["tiny"], **change), rngs=rngs)  # noqa: E731
+    assert_same(sharded(strategy, model_fn, llama.loss_fn, batches(tokens)), oracle(model_fn, llama.loss_fn, batches(tokens)))
+
+
+def test_bf16_compute_stays_close_to_fp32(tokens, llama_oracle):
+    # bf16 matmuls with float32 master weights and float32 gradient sums: losses within 1%
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")
+    losses, _, _ = sharded("fsdp=4,tensor=2", llama_model, llama.loss_fn, batches(tokens), cfg)
+    np.testing.assert_allclose(losses, llama_oracle[0], rtol=1e-2)

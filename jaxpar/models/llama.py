@@ -61,7 +61,8 @@ CONFIGS = {
 
 
 def _param(rngs, shape, names, init):
-    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape))
+    # eager_sharding=False: the model can be built with no mesh around; jaxpar places the weights
+    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape), eager_sharding=False)
 
 
 class LayerStack(nnx.Module):

@@ -248,6 +248,13 @@ class Trainer:
         self.accumulator_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(acc))
         acc, losses = jax.lax.scan(micro_step, acc, micro)
         loss = jax.lax.psum(jnp.sum(losses), layout.batch_axes) if layout.batch_axes else jnp.sum(losses)
+        unfinished = sorted(varying_axes(loss))
+        if unfinished:
+            raise LayoutError(
+                f"the loss still differs across mesh axes {unfinished}: the model sums over a logical axis "
+                f"sharded on them without finishing the sum. Mark such sums (row-parallel matmul outputs) "
+                f"with jaxpar.rules.reduce_partial(x, contracted_names, output_names)"
+            )
         grads = reduce(acc, "final")
         norm = self._global_norm(grads)
         if cfg.clip_norm:
