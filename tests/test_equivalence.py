@@ -115,6 +115,7 @@ def test_llama_layout_matches_one_device(strategy, tokens, llama_oracle):
     assert_same(sharded(strategy, llama_model, llama.loss_fn, batches(tokens)), llama_oracle)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_device(tokens):
     # 2 micro-batches per step: ZeRO-2 reduce-scatters each one, the oracle accumulates on one device
     cfg = dataclasses.replace(CFG, microbatches=2)
@@ -169,6 +170,7 @@ def test_model_that_forgets_a_tensor_parallel_sum_is_refused():
         trainer.step(state, trainer.put_batch(regression_batches()[0]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, change",
     [
@@ -182,6 +184,7 @@ def test_llama_variants_match_one_device(strategy, change, tokens):
     assert_same(sharded(strategy, model_fn, llama.loss_fn, batches(tokens)), oracle(model_fn, llama.loss_fn, batches(tokens)))
 
 
+@pytest.mark.slow
 def test_bf16_compute_stays_close_to_fp32(tokens, llama_oracle):
     # bf16 matmuls with float32 master weights and float32 gradient sums: losses within 1%
     cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")

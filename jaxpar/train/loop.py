@@ -44,8 +44,8 @@ def model_config(name: str, remat: str = "none") -> llama.LlamaConfig:
 
 def devices_for(topology: Topology):
     """The first ``num_chips`` devices JAX sees, checked against the topology."""
-    devices = jax.devices()
-    if topology.platform != devices[0].platform and not (topology.platform == "cpu"):
+    devices = jax.devices("cpu") if topology.platform == "cpu" else jax.devices()
+    if topology.platform != devices[0].platform:
         raise JaxparError(
             f"topology {topology.name!r} is a {topology.platform} topology but JAX sees {devices[0].platform} devices; "
             f"train on the devices you have (e.g. --topology cpu-8) or plan for {topology.name} ahead of time"
