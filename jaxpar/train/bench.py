@@ -8,6 +8,8 @@ run are comparable with each other (same machine, same moment); across machines 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 
 from jaxpar.topology import Topology
 from jaxpar.train.loop import RunConfig, run_training
@@ -26,10 +28,14 @@ STRATEGIES = (
 )
 
 
-def bench(run: RunConfig, topology: Topology, strategies=STRATEGIES) -> list[dict]:
+def bench(run: RunConfig, topology: Topology, strategies=STRATEGIES, progress=sys.stderr) -> list[dict]:
     rows = []
-    for text in strategies:
+    for index, text in enumerate(strategies, 1):
+        start = time.perf_counter()
         report = run_training(dataclasses.replace(run, strategy=text), topology, progress=None)
+        if progress:
+            progress.write(f"[{index}/{len(strategies)}] {text}: {time.perf_counter() - start:.0f} s (compile, {run.steps} steps, analysis)\n")
+            progress.flush()
         comm = {k: v for k, v in report["communication"].items() if k not in ("by_axes", "scalar all-reduce")}
         measured = report["memory"]["measured_bytes_per_device"]
         table = report["memory"]["zero_table_bytes_per_device"]

@@ -202,17 +202,16 @@ class Trainer:
         layout, cfg = self.layout, self.cfg
         k = cfg.microbatches
         shards = math.prod(layout.mesh.shape[a] for a in layout.batch_axes) * k
-        flat_params = {p: v for p, v in _flatten(params).items()}
+        flat_params = _flatten(params)
         plans = {p: self._reduction_plan(p) for p in flat_params}
 
         # Make every weight vary over the batch axes: its gradient is then the unreduced local one,
         # and the reductions below are the only ones (no implicit all-reduce from autodiff).
-        def to_varying(path, x):
-            have = varying_axes(x)
-            axes = tuple(a for a in layout.batch_axes if a not in have)
+        def to_varying(x):
+            axes = tuple(a for a in layout.batch_axes if a not in varying_axes(x))
             return jax.lax.pcast(x, axes, to="varying") if axes else x
 
-        varying = _nest({p: to_varying(p, v) for p, v in flat_params.items()})
+        varying = _nest({p: to_varying(v) for p, v in flat_params.items()})
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
         def objective(p, mb):
@@ -267,7 +266,7 @@ class Trainer:
         is split over (once per group of leaves split alike), never over axes it is copied on."""
         by_axes: dict[tuple, jax.Array] = {}
         for path, g in _flatten(grads).items():
-            axes = tuple(a for entry in self.layout.spec(self.names[path], "optimizer") if entry for a in (entry if isinstance(entry, tuple) else (entry,)))
+            axes = tuple(a for name in self.names[path] for a in self.layout.axes_of(name, "optimizer"))
             by_axes[axes] = by_axes.get(axes, 0.0) + jnp.sum(jnp.square(g))
         total = sum(jax.lax.psum(s, axes) if axes else s for axes, s in by_axes.items())
         return jnp.sqrt(total)
