@@ -143,12 +143,6 @@ def use_layout(layout: Layout | None, *, manual: bool = False, compute_dtype=jnp
         _ACTIVE.reset(token)
 
 
-def compute_dtype():
-    """The dtype weights are cast to for compute (float32 when no layout is active)."""
-    active = _ACTIVE.get()
-    return jnp.float32 if active is None else active.compute_dtype
-
-
 def _check_rank(x, names):
     if x.ndim != len(names):
         raise LayoutError(f"array of shape {x.shape} was given {len(names)} logical names {tuple(names)}; give one per dim")
