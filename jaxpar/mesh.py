@@ -147,6 +147,12 @@ def _hybrid_grid(spec: ParallelSpec, devices, num_slices: int):
     if len(devices) % num_slices:
         raise SpecError(f"{len(devices)} devices cannot form {num_slices} equal slices")
     if all(getattr(d, "slice_index", None) is not None for d in devices):
+        if devices[0].platform == "tpu":
+            from jax.experimental import mesh_utils  # physical torus order inside each slice
+
+            return mesh_utils.create_hybrid_device_mesh(
+                [ici[a] for a in AXES], [dcn[a] for a in AXES], devices, allow_split_physical_axes=True
+            )
         devices = sorted(devices, key=lambda d: (d.slice_index, d.id))
     per_slice = len(devices) // num_slices
     slices = np.array(devices, dtype=object).reshape((num_slices, per_slice))

@@ -20,13 +20,13 @@ from jaxpar.parallel import data, fsdp, hsdp, tensor
 SCALAR_BYTES = 16
 
 
-def _add(total: dict, part: dict):
+def _add(total: dict, axis: str, part: dict):
     for kind, value in part.items():
-        total[kind] = total.get(kind, 0.0) + value
+        total[(kind, axis)] = total.get((kind, axis), 0.0) + value
 
 
-def optimal_traffic(trainer, strategy, batch_shape, model_cfg=None) -> dict[str, float]:
-    """Bytes per device per step by collective kind for this layout.
+def optimal_traffic_by_axis(trainer, strategy, batch_shape, model_cfg=None) -> dict[tuple[str, str], float]:
+    """Bytes per device per step by (collective kind, mesh axis) for this layout.
 
     ``batch_shape`` = (global batch, sequence length). ``model_cfg`` (a LlamaConfig) adds the
     Megatron activation traffic, which depends on the model's structure.
@@ -37,12 +37,12 @@ def optimal_traffic(trainer, strategy, batch_shape, model_cfg=None) -> dict[str,
         cb, rb = max(cb, 4), max(rb, 4)  # XLA:CPU runs bf16 collectives in f32 (GPU and TPU do not)
     psi = tensor_local_params(trainer)
     f, r, t = mesh["fsdp"], mesh["data"], mesh["tensor"]
-    total: dict[str, float] = {}
+    total: dict[tuple[str, str], float] = {}
     regathered = tensor_local_params(trainer, only_layers=True) if strategy.regather else 0.0
-    _add(total, fsdp.traffic(psi, f, strategy.zero_stage, cfg.microbatches, cb, rb, 4, regathered))
+    _add(total, "fsdp", fsdp.traffic(psi, f, strategy.zero_stage, cfg.microbatches, cb, rb, 4, regathered))
     if r > 1:
         reduced = hsdp.cross_group_bytes(psi * rb, r, f) if f > 1 else data.grad_allreduce_bytes(psi * rb, r)
-        _add(total, {"all-reduce": reduced})
+        _add(total, "data", {"all-reduce": reduced})
     if t > 1 and model_cfg is not None:
         batch, length = batch_shape
         local_tokens = batch // (r * f) * length
@@ -50,14 +50,22 @@ def optimal_traffic(trainer, strategy, batch_shape, model_cfg=None) -> dict[str,
         passes = tensor.activation_passes(model_cfg.layers)
         if strategy.sequence_parallel:
             one_way = passes * activation * (t - 1) / t
-            _add(total, {"all-gather": one_way, "reduce-scatter": one_way})
+            _add(total, "tensor", {"all-gather": one_way, "reduce-scatter": one_way})
             norms = (2 * model_cfg.layers + 1) * model_cfg.embed * rb  # norm-weight gradients summed over tensor
-            _add(total, {"all-reduce": data.grad_allreduce_bytes(norms, t)})
+            _add(total, "tensor", {"all-reduce": data.grad_allreduce_bytes(norms, t)})
         else:
-            _add(total, {"all-reduce": passes * data.grad_allreduce_bytes(activation, t)})
+            _add(total, "tensor", {"all-reduce": passes * data.grad_allreduce_bytes(activation, t)})
         # vocab-parallel cross-entropy: max, sum of exponentials and target logit per token
-        _add(total, {"all-reduce": 3 * data.grad_allreduce_bytes(local_tokens * 4, t)})
+        _add(total, "tensor", {"all-reduce": 3 * data.grad_allreduce_bytes(local_tokens * 4, t)})
     return total
+
+
+def optimal_traffic(trainer, strategy, batch_shape, model_cfg=None) -> dict[str, float]:
+    """Bytes per device per step by collective kind (summed over axes)."""
+    by_kind: dict[str, float] = {}
+    for (kind, _), value in optimal_traffic_by_axis(trainer, strategy, batch_shape, model_cfg).items():
+        by_kind[kind] = by_kind.get(kind, 0.0) + value
+    return by_kind
 
 
 def compare(compiled_text: str, trainer, strategy, batch_shape, model_cfg=None) -> dict:

@@ -1,0 +1,172 @@
+"""Compile a training step for a topology ahead of time, on any machine.
+
+For TPU topologies the devices come from ``jax.experimental.topologies.get_topology_desc`` (libtpu
+from PyPI, ``pip install -e .[tpu]``): compile-only devices of a real pod, multi-slice included, so
+XLA's TPU compiler builds the real program and nothing runs. Where libtpu is missing, and for GPU
+and CPU topologies, the step is compiled for simulated CPU devices with the same mesh shape, and the
+report says which compiler produced it. The model is abstract throughout (``nnx.eval_shape``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+
+from jaxpar.errors import JaxparError
+from jaxpar.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    devices: list
+    compiler: str  # "tpu" (libtpu, ahead of time) or "cpu" (simulated devices, same mesh shape)
+    note: str = ""
+
+
+def tpu_devices(topology: Topology) -> list:
+    """Compile-only devices of a TPU topology (all slices); raises if libtpu is not installed."""
+    from jax.experimental import topologies
+
+    # several processes may hold libtpu (tests, a notebook): compile-only use needs no exclusive lock
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    kwargs = {"num_slices": topology.num_slices} if topology.is_multi_slice else {}
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology.tpu_topology, **kwargs).devices)
+
+
+def target_for(topology: Topology) -> Target:
+    """Devices to compile for: the real TPU compiler where it can be had, else simulated CPUs."""
+    if topology.platform == "tpu":
+        try:
+            devices = tpu_devices(topology)
+            return Target(devices, "tpu")
+        except Exception as err:  # libtpu missing or refusing: say so, fall back to CPU
+            reason = f"TPU compiler unavailable ({type(err).__name__}: {str(err).splitlines()[0][:120]})"
+    else:
+        reason = f"{topology.platform} topology"
+    cpus = jax.devices("cpu")
+    if len(cpus) < topology.num_chips:
+        raise JaxparError(
+            f"{reason}: compiling for {topology.num_chips} simulated CPU devices needs them set before JAX "
+            f"starts (XLA_FLAGS=--xla_force_host_platform_device_count={topology.num_chips}); "
+            f"`jaxpar compile` does this itself, and `pip install -e .[tpu]` brings the TPU compiler"
+        )
+    return Target(cpus[: topology.num_chips], "cpu", f"{reason}: compiled by XLA:CPU for simulated devices with the same mesh shape")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def state_bytes_per_chip(trainer) -> dict[str, int]:
+    """Weights and optimizer state per chip, read from the shardings the step is compiled with."""
+    state = trainer.abstract_state()
+
+    def total(tree):
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim)
+
+    return {"parameters": total(state.params), "optimizer": total(state.opt_state)}
+
+
+def compile_report(model: str, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, remat: str = "full", compute_dtype: str = "bfloat16", alternatives: int = 3) -> dict:
+    """Compile the training step for ``topology`` and report fit, traffic, cost and estimates."""
+    from jaxpar.analysis import hlo, memory, roofline
+    from jaxpar.mesh import split_ici_dcn
+    from jaxpar.models import llama
+    from jaxpar.parallel import build_layout, parse_strategy
+    from jaxpar.train.loop import model_config
+    from jaxpar.train.step import TrainConfig, Trainer
+
+    cfg = model_config(model, remat)
+    target = target_for(topology)
+    n = len(target.devices)
+    strategy = parse_strategy(strategy_text, n)
+    _, dcn = split_ici_dcn(strategy.spec, topology.num_slices)
+    layout = build_layout(strategy, target.devices, num_slices=topology.num_slices)
+    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, TrainConfig(compute_dtype=compute_dtype))
+    trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"))
+    batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jax.numpy.int32)
+    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding(batch))
+    compiled = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
+
+    stats = compiled.memory_analysis()
+    peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes + stats.generated_code_size_in_bytes
+    cols = hlo.collectives(compiled.as_text(), layout.mesh)
+    rows = [(c.kind, c.bytes_per_step, any(dcn[a] > 1 for a in c.mesh_axes)) for c in cols]
+    model_flops = cfg.flops_per_token(seq_len) * batch_size * seq_len
+    estimate = roofline.estimate(model_flops, rows, topology, n)
+    cost = compiled.cost_analysis() or {}
+    by_link = {}
+    for c, (_, sent, crosses) in zip(cols, rows):
+        key = f"{c.kind} over {'+'.join(c.mesh_axes) or '-'} ({'DCN' if crosses else 'ICI'})"
+        entry = by_link.setdefault(key, {"count": 0, "bytes_per_chip": 0.0})
+        entry["count"] += c.executions
+        entry["bytes_per_chip"] += sent
+    return {
+        "model": model,
+        "num_params": cfg.num_params(),
+        "topology": topology.name,
+        "chips": n,
+        "strategy": str(strategy),
+        "compiler": target.compiler,
+        "compiler_note": target.note,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "memory_per_chip": {
+            "arguments": stats.argument_size_in_bytes,
+            "outputs": stats.output_size_in_bytes,
+            "aliased": stats.alias_size_in_bytes,
+            "temporaries": stats.temp_size_in_bytes,
+            "generated_code": stats.generated_code_size_in_bytes,
+            "peak": peak,
+            "hbm": topology.hbm_bytes,
+            "fits": peak <= topology.hbm_bytes,
+            **state_bytes_per_chip(trainer),
+            "zero_table": memory.zero_table(trainer, strategy.zero_stage),
+        },
+        "collectives": by_link,
+        "compiler_cost_analysis": {k: cost.get(k) for k in ("flops", "bytes accessed", "optimal_seconds")},
+        "model_flops_per_step": model_flops,
+        "roofline": estimate.as_dict(),
+        "alternatives": rank_alternatives(trainer, strategy, topology, cfg, batch_size, seq_len, alternatives),
+    }
+
+
+def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int, seq_len: int, count: int) -> list[dict]:
+    """The ``count`` best other specs for the same chips, by the roofline estimate of their analytic
+    traffic (not compiled), among those whose weights, gradients and optimizer state fit in HBM."""
+    from jaxpar.analysis import memory, roofline, traffic
+    from jaxpar.mesh import parse_spec, split_ici_dcn
+    from jaxpar.parallel import Strategy, build_layout
+    from jaxpar.train.step import Trainer
+
+    n = trainer.layout.mesh.size
+    devices = list(trainer.layout.mesh.devices.flat)
+    flops = cfg.flops_per_token(seq_len) * batch_size * seq_len
+    ranked = []
+    for tensor in [t for t in _divisors(n) if t <= 16]:
+        for data in _divisors(n // tensor):
+            fsdp = n // tensor // data
+            text = f"data={data},fsdp={fsdp},tensor={tensor}"
+            try:
+                spec = parse_spec(text, n)
+                _, dcn = split_ici_dcn(spec, topology.num_slices)
+                strategy = Strategy(spec)
+                layout = build_layout(strategy, devices, num_slices=topology.num_slices)
+                candidate = Trainer(layout, trainer.model_fn, trainer.loss_fn, trainer.cfg)
+                candidate.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"))
+            except JaxparError:  # does not divide the model or the slices: not a candidate
+                continue
+            if str(strategy) == str(current):
+                continue
+            state = sum(memory.zero_table(candidate, strategy.zero_stage).values())
+            if state > topology.hbm_bytes:
+                continue
+            sent = traffic.optimal_traffic_by_axis(candidate, strategy, (batch_size, seq_len), cfg)
+            rows = [(kind, b, dcn[axis] > 1) for (kind, axis), b in sent.items()]
+            est = roofline.estimate(flops, rows, topology, n)
+            ranked.append({"strategy": str(strategy), "step_s": est.step_s, "mfu": est.mfu, "state_bytes_per_chip": state})
+    ranked.sort(key=lambda r: r["step_s"])
+    return ranked[:count]
