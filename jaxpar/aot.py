@@ -56,6 +56,25 @@ def target_for(topology: Topology) -> Target:
     return Target(cpus[: topology.num_chips], "cpu", f"{reason}: compiled by XLA:CPU for simulated devices with the same mesh shape")
 
 
+# float32 weights, float32 gradient buffer, Adam's two float32 moments
+STATE_BYTES_PER_PARAM = 16
+
+
+def check_fits_fully_sharded(num_params: int, topology: Topology):
+    """Refuse, before compiling anything, a model whose training state cannot fit even when every
+    byte of it is sharded over all chips."""
+    need = STATE_BYTES_PER_PARAM * num_params / topology.num_chips
+    if need > topology.hbm_bytes:
+        gib = 2**30
+        chips = math.ceil(STATE_BYTES_PER_PARAM * num_params / topology.hbm_bytes)
+        raise JaxparError(
+            f"{num_params / 1e9:.1f}B weights need {need / gib:.1f} GiB per chip for weights, gradients and Adam "
+            f"state even fully sharded over the {topology.num_chips} chips of {topology.name}, which have "
+            f"{topology.hbm_bytes / gib:.1f} GiB each: short by {(need - topology.hbm_bytes) / gib:.1f} GiB per chip "
+            f"before any activation. Use a topology with more than {chips} chips"
+        )
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -80,6 +99,7 @@ def compile_report(model: str, topology: Topology, strategy_text: str, batch_siz
     from jaxpar.train.step import TrainConfig, Trainer
 
     cfg = model_config(model, remat)
+    check_fits_fully_sharded(cfg.num_params(), topology)
     target = target_for(topology)
     n = len(target.devices)
     strategy = parse_strategy(strategy_text, n)
@@ -93,7 +113,8 @@ def compile_report(model: str, topology: Topology, strategy_text: str, batch_siz
 
     stats = compiled.memory_analysis()
     peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes + stats.generated_code_size_in_bytes
-    cols = hlo.collectives(compiled.as_text(), layout.mesh)
+    dcn_axes = tuple(a for a, d in dcn.items() if d > 1)
+    cols = hlo.collectives(compiled.as_text(), layout.mesh, dcn_axes, topology.num_slices)
     rows = [(c.kind, c.bytes_per_step, any(dcn[a] > 1 for a in c.mesh_axes)) for c in cols]
     model_flops = cfg.flops_per_token(seq_len) * batch_size * seq_len
     estimate = roofline.estimate(model_flops, rows, topology, n)
@@ -170,3 +191,35 @@ def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int
             ranked.append({"strategy": str(strategy), "step_s": est.step_s, "mfu": est.mfu, "state_bytes_per_chip": state})
     ranked.sort(key=lambda r: r["step_s"])
     return ranked[:count]
+
+
+def format_report(report: dict) -> str:
+    """The human table printed by ``jaxpar compile``."""
+    gib = lambda b: f"{b / 2**30:8.2f} GiB"  # noqa: E731
+    mem, est = report["memory_per_chip"], report["roofline"]
+    compiler = "XLA:TPU, ahead of time" if report["compiler"] == "tpu" else report["compiler_note"]
+    lines = [
+        f"{report['model']} ({report['num_params'] / 1e9:.2f}B weights) on {report['topology']} ({report['chips']} chips), "
+        f"strategy {report['strategy']}, batch {report['batch_size']} x {report['seq_len']}",
+        f"compiled by {compiler}",
+        "",
+        f"memory per chip: {'fits' if mem['fits'] else 'DOES NOT FIT'} ({gib(mem['peak']).strip()} of {gib(mem['hbm']).strip()} HBM)",
+    ]
+    for kind in ("parameters", "optimizer", "arguments", "outputs", "temporaries", "generated_code"):
+        lines.append(f"  {kind:16s} {gib(mem[kind])}")
+    lines += ["", "collectives per step (bytes per chip)"]
+    for name, row in sorted(report["collectives"].items(), key=lambda kv: -kv[1]["bytes_per_chip"]):
+        lines.append(f"  {name:44s} x{row['count']:<6d} {gib(row['bytes_per_chip'])}")
+    cost = report["compiler_cost_analysis"]
+    lines += [
+        "",
+        f"compiler's estimate (loop bodies counted once; a hint only): {cost['flops'] or 0:.3e} flops, "
+        f"{cost['bytes accessed'] or 0:.3e} bytes accessed, {cost['optimal_seconds'] or 0:.4f} s",
+        f"roofline estimate: compute {est['compute_s']:.3f} s, ICI {est['ici_s']:.3f} s, DCN {est['dcn_s']:.3f} s -> "
+        f"step {est['step_s']:.3f} s overlapped ({est['serial_step_s']:.3f} s serial), MFU {100 * est['mfu']:.1f}%",
+        "",
+        "best alternatives (analytic traffic, not compiled)",
+    ]
+    for alt in report["alternatives"]:
+        lines.append(f"  {alt['strategy']:32s} step {alt['step_s']:.3f} s  MFU {100 * alt['mfu']:.1f}%  state {gib(alt['state_bytes_per_chip'])}")
+    return "\n".join(lines)

@@ -63,6 +63,35 @@ def _bench(args) -> int:
     return 0
 
 
+def _compile_parser(sub):
+    p = sub.add_parser("compile", help="compile the training step for a topology ahead of time and report fit, traffic and estimated speed")
+    p.add_argument("--model", default="llama2-7b")
+    p.add_argument("--topology", default="tpu-v5p-256")
+    p.add_argument("--strategy", default="fsdp=-1")
+    p.add_argument("--batch-size", type=int, default=256, help="global batch, in sequences")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--remat", default="full", choices=["none", "full", "dots"])
+    p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    return p
+
+
+def _compile(args) -> int:
+    from jaxpar.topology import load_topology
+
+    topology = load_topology(args.topology)
+    if topology.platform != "tpu":
+        _simulate_cpu_devices(topology.num_chips)
+    from jaxpar.aot import compile_report, format_report
+    from jaxpar.train.loop import write_json_atomically
+
+    report = compile_report(args.model, topology, args.strategy, args.batch_size, args.seq_len, args.remat, args.compute_dtype)
+    print(format_report(report))
+    if args.json:
+        write_json_atomically(args.json, report)
+    return 0
+
+
 def _train(args) -> int:
     from jaxpar.topology import load_topology
 
@@ -96,6 +125,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command")
     _train_parser(sub)
     _bench_parser(sub)
+    _compile_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -103,7 +133,7 @@ def main(argv=None) -> int:
     from jaxpar.errors import JaxparError
 
     try:
-        return {"train": _train, "bench": _bench}[args.command](args)
+        return {"train": _train, "bench": _bench, "compile": _compile}[args.command](args)
     except JaxparError as err:
         print(f"jaxpar {args.command}: {err}", file=sys.stderr)
         return 2

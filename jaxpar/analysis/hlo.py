@@ -357,8 +357,24 @@ def _executions(comps, roots, table, entry) -> dict[str, int]:
 # ---------------------------------------------------------------- main entry
 
 
-def collectives(hlo_text: str, mesh) -> list[Collective]:
-    """Every collective in the program text, in the order printed."""
+# Multi-slice TPU programs hand cross-slice collectives to the runtime as host-transfer sends.
+_CROSS_SLICE = re.compile(r'_xla_host_transfer_handler_name="xla_megascale_runtime".*?_xla_host_transfer_rendezvous="([^"]+)"')
+
+
+def _cross_slice_kind(rendezvous: str) -> str:
+    for prefix, kind in (("all-gather", "all-gather"), ("all_gather", "all-gather"), ("reduce-scatter", "reduce-scatter"),
+                         ("psum_scatter", "reduce-scatter"), ("all-to-all", "all-to-all"), ("all_to_all", "all-to-all")):
+        if rendezvous.startswith(prefix):
+            return kind
+    return "all-reduce"  # psum, all-reduce, pmax...
+
+
+def collectives(hlo_text: str, mesh, dcn_axes: tuple[str, ...] = (), num_slices: int = 1) -> list[Collective]:
+    """Every collective in the program text, in the order printed.
+
+    On multi-slice TPU programs, cross-slice traffic appears as ``send`` ops for the multi-slice
+    runtime; each is counted as a collective of the kind its rendezvous names, over ``dcn_axes``
+    with ``num_slices`` participants (the layout's split says which axes cross slices)."""
     comps, roots, entry = _parse(hlo_text)
     table = {i.name: i for instrs in comps.values() for i in instrs}
     runs = _executions(comps, roots, table, entry)
@@ -368,6 +384,12 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
     for comp, instrs in comps.items():
         for ins in instrs:
             kind = ins.opcode.removesuffix("-start")
+            cross = _CROSS_SLICE.search(ins.attrs) if ins.opcode == "send" and num_slices > 1 else None
+            if cross and runs[comp]:
+                data = shape_bytes(table[ins.operands[0]].shape) if ins.operands and ins.operands[0] in table else 0
+                out.append(Collective(_cross_slice_kind(cross[1]), ins.name, _dtype(table[ins.operands[0]].shape),
+                                      data, data, num_slices, dcn_axes, runs[comp]))
+                continue
             if kind not in KINDS or not runs[comp]:
                 continue
             result = done[ins.name].shape if ins.opcode.endswith("-start") and ins.name in done else ins.shape

@@ -1,0 +1,91 @@
+"""Ahead-of-time compiles for TPU pods (libtpu), the report, the roofline, and bad input."""
+import dataclasses
+
+import pytest
+
+from jaxpar import aot, cli
+from jaxpar.analysis import roofline, traffic
+from jaxpar.errors import JaxparError, SpecError
+from jaxpar.models import llama
+from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.topology import load_topology
+from jaxpar.train.step import TrainConfig, Trainer
+
+
+def small_pod(name, tpu_topology, ici_shape, slices=1):
+    """A shipped topology's chip, on a slice small enough to compile in seconds."""
+    base = load_topology(name)
+    chips = slices
+    for d in ici_shape:
+        chips *= d
+    return dataclasses.replace(base, name=f"{base.chip}-{tpu_topology}x{slices}", tpu_topology=tpu_topology, ici_shape=ici_shape, dcn_shape=(slices,), num_chips=chips)
+
+
+PODS = {
+    "v5p 2x2x1": (small_pod("tpu-v5p-256", "v5p:2x2x1", (2, 2, 1)), "fsdp=4"),
+    "v5e 2x2": (small_pod("tpu-v5e-256", "v5e:2x2", (2, 2)), "fsdp=2,tensor=2"),
+    "2 slices of v5p 2x2x1": (small_pod("tpu-v5p-256", "v5p:2x2x1", (2, 2, 1), slices=2), "data=2,fsdp=4"),
+}
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("pod", list(PODS))
+def test_tiny_llama_compiles_for_tpu_pods(pod):
+    pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
+    topology, strategy = PODS[pod]
+    report = aot.compile_report("tiny", topology, strategy, batch_size=16, seq_len=64)
+    assert report["compiler"] == "tpu" and report["chips"] == topology.num_chips
+    mem = report["memory_per_chip"]
+    assert mem["fits"]
+    # weights and Adam state per chip, from the compiled step's shardings, against the ZeRO table
+    assert mem["parameters"] == pytest.approx(mem["zero_table"]["parameters"], rel=0.02)
+    assert mem["optimizer"] == pytest.approx(mem["zero_table"]["optimizer"], rel=0.02)
+    links = {name.rsplit("(", 1)[1].rstrip(")") for name in report["collectives"]}
+    if topology.is_multi_slice:
+        # the gradient all-reduce across the two slices is the only traffic on DCN
+        assert "DCN" in links and all("over data" in n for n in report["collectives"] if n.endswith("(DCN)"))
+    else:
+        assert links == {"ICI"}
+
+
+def test_gpu_topology_compiles_on_simulated_cpus_and_says_so(capsys):
+    code = cli.main(["compile", "--model", "tiny", "--topology", "gpu-h100-8", "--strategy", "fsdp=8", "--batch-size", "16", "--seq-len", "32"])
+    out = capsys.readouterr().out
+    assert code == 0 and "XLA:CPU" in out and "gpu topology" in out and "best alternatives" in out
+
+
+def test_roofline_ranks_dp_and_fsdp_as_their_formulas_do():
+    # same model, same chips: DP all-reduces 2 Psi; FSDP with regather moves Psi + Psi_layers in
+    # gathers and Psi in reduce-scatters. Compute time is the same; communication differs by the
+    # ratio of those bytes (all over ICI at the same bandwidth).
+    topology = load_topology("cpu-8")
+    cfg = llama.CONFIGS["tiny"]
+    estimates, psi = {}, cfg.num_params()
+    for text in ("data=8", "fsdp=8,regather=on"):
+        strategy = parse_strategy(text, 8)
+        trainer = Trainer(build_layout(strategy), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, TrainConfig())
+        rows = [(kind, b, False) for (kind, _), b in traffic.optimal_traffic_by_axis(trainer, strategy, (16, 64), cfg).items()]
+        estimates[text] = roofline.estimate(cfg.flops_per_token(64) * 16 * 64, rows, topology, 8)
+    dp, fsdp = estimates["data=8"], estimates["fsdp=8,regather=on"]
+    layers_psi = psi - 2 * cfg.vocab_size * cfg.embed - cfg.embed
+    assert fsdp.compute_s == dp.compute_s
+    assert fsdp.comm_s / dp.comm_s == pytest.approx((2 * psi + layers_psi) / (2 * psi), rel=1e-9)
+    assert fsdp.comm_s > dp.comm_s
+
+
+def test_collective_time_follows_the_cost_model():
+    topology = load_topology("tpu-v5p-256")
+    gather = roofline.collective_seconds("all-gather", 1e9, False, topology)
+    assert gather == pytest.approx(1e9 / (2 * topology.ici_bandwidth))
+    assert roofline.collective_seconds("all-to-all", 1e9, False, topology) == pytest.approx(gather / 4)
+    assert roofline.collective_seconds("all-gather", 1e9, True, topology) == pytest.approx(1e9 / topology.dcn_bandwidth)
+
+
+def test_model_that_cannot_fit_says_by_how_much():
+    with pytest.raises(JaxparError, match=r"short by \d+\.\d GiB per chip.*more than \d+ chips"):
+        aot.compile_report("llama2-70b", load_topology("gpu-h100-8"), "fsdp=8", 8, 2048)
+
+
+def test_spec_that_does_not_match_the_chips():
+    with pytest.raises(SpecError, match="multiplies to 4"):
+        aot.compile_report("tiny", load_topology("gpu-h100-8"), "fsdp=4", 16, 32)
