@@ -15,8 +15,14 @@ import os
 
 import jax
 
+from jaxpar.analysis import hlo, memory, roofline, traffic
 from jaxpar.errors import JaxparError
+from jaxpar.mesh import dcn_misplaced, parse_spec, split_ici_dcn
+from jaxpar.models import llama
+from jaxpar.parallel import Strategy, build_layout, parse_strategy
 from jaxpar.topology import Topology
+from jaxpar.train.loop import model_config
+from jaxpar.train.step import TrainConfig, Trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,16 +95,12 @@ def state_bytes_per_chip(trainer) -> dict[str, int]:
     return {"parameters": total(state.params), "optimizer": total(state.opt_state)}
 
 
-def compile_report(model: str, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, remat: str = "full", compute_dtype: str = "bfloat16", alternatives: int = 3) -> dict:
-    """Compile the training step for ``topology`` and report fit, traffic, cost and estimates."""
-    from jaxpar.analysis import hlo, memory, roofline
-    from jaxpar.mesh import split_ici_dcn
-    from jaxpar.models import llama
-    from jaxpar.parallel import build_layout, parse_strategy
-    from jaxpar.train.loop import model_config
-    from jaxpar.train.step import TrainConfig, Trainer
+def compile_report(model, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, remat: str = "full", compute_dtype: str = "bfloat16", alternatives: int = 3) -> dict:
+    """Compile the training step for ``topology`` and report fit, traffic, cost and estimates.
 
-    cfg = model_config(model, remat)
+    ``model``: a config name (``tiny``, ``llama2-7b``...) or a ``LlamaConfig``."""
+
+    cfg = model if isinstance(model, llama.LlamaConfig) else model_config(model, remat)
     check_fits_fully_sharded(cfg.num_params(), topology)
     target = target_for(topology)
     n = len(target.devices)
@@ -117,7 +119,7 @@ def compile_report(model: str, topology: Topology, strategy_text: str, batch_siz
     cols = hlo.collectives(compiled.as_text(), layout.mesh, dcn_axes, topology.num_slices)
     rows = [(c.kind, c.bytes_per_step, any(dcn[a] > 1 for a in c.mesh_axes)) for c in cols]
     model_flops = cfg.flops_per_token(seq_len) * batch_size * seq_len
-    estimate = roofline.estimate(model_flops, rows, topology, n)
+    estimate = roofline.estimate(model_flops, rows, topology, n, roofline.RECOMPUTE[cfg.remat])
     cost = compiled.cost_analysis() or {}
     by_link = {}
     for c, (_, sent, crosses) in zip(cols, rows):
@@ -125,8 +127,18 @@ def compile_report(model: str, topology: Topology, strategy_text: str, batch_siz
         entry = by_link.setdefault(key, {"count": 0, "bytes_per_chip": 0.0})
         entry["count"] += c.executions
         entry["bytes_per_chip"] += sent
+    misplaced = []
+    for axis in dcn_misplaced(dcn):
+        sent = [(c.kind, b) for c, (_, b, _) in zip(cols, rows) if axis in c.mesh_axes]
+        misplaced.append({
+            "axis": axis,
+            "bytes_per_chip": sum(b for _, b in sent),
+            "dcn_seconds": sum(roofline.collective_seconds(k, b, True, topology) for k, b in sent),
+            "ici_seconds": sum(roofline.collective_seconds(k, b, False, topology) for k, b in sent),
+        })
     return {
-        "model": model,
+        "dcn_warnings": misplaced,
+        "model": model if isinstance(model, str) else "custom",
         "num_params": cfg.num_params(),
         "topology": topology.name,
         "chips": n,
@@ -158,10 +170,6 @@ def compile_report(model: str, topology: Topology, strategy_text: str, batch_siz
 def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int, seq_len: int, count: int) -> list[dict]:
     """The ``count`` best other specs for the same chips, by the roofline estimate of their analytic
     traffic (not compiled), among those whose weights, gradients and optimizer state fit in HBM."""
-    from jaxpar.analysis import memory, roofline, traffic
-    from jaxpar.mesh import parse_spec, split_ici_dcn
-    from jaxpar.parallel import Strategy, build_layout
-    from jaxpar.train.step import Trainer
 
     n = trainer.layout.mesh.size
     devices = list(trainer.layout.mesh.devices.flat)
@@ -187,7 +195,7 @@ def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int
                 continue
             sent = traffic.optimal_traffic_by_axis(candidate, strategy, (batch_size, seq_len), cfg)
             rows = [(kind, b, dcn[axis] > 1) for (kind, axis), b in sent.items()]
-            est = roofline.estimate(flops, rows, topology, n)
+            est = roofline.estimate(flops, rows, topology, n, roofline.RECOMPUTE[cfg.remat])
             ranked.append({"strategy": str(strategy), "step_s": est.step_s, "mfu": est.mfu, "state_bytes_per_chip": state})
     ranked.sort(key=lambda r: r["step_s"])
     return ranked[:count]
@@ -207,6 +215,11 @@ def format_report(report: dict) -> str:
     ]
     for kind in ("parameters", "optimizer", "arguments", "outputs", "temporaries", "generated_code"):
         lines.append(f"  {kind:16s} {gib(mem[kind])}")
+    for w in report["dcn_warnings"]:
+        lines.append(
+            f"WARNING: axis {w['axis']!r} crosses slices: {gib(w['bytes_per_chip']).strip()} per chip per step over DCN, "
+            f"{w['dcn_seconds']:.3f} s instead of {w['ici_seconds']:.3f} s on ICI"
+        )
     lines += ["", "collectives per step (bytes per chip)"]
     for name, row in sorted(report["collectives"].items(), key=lambda kv: -kv[1]["bytes_per_chip"]):
         lines.append(f"  {name:44s} x{row['count']:<6d} {gib(row['bytes_per_chip'])}")

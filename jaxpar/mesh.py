@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import warnings
 
 from jaxpar.errors import SpecError
 
@@ -87,28 +88,38 @@ def parse_spec(spec: str | dict[str, int], num_devices: int) -> ParallelSpec:
 
 
 def split_ici_dcn(spec: ParallelSpec, num_slices: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Split the degrees into (ICI, DCN) parts: DCN takes ``num_slices`` from the DCN-capable axes.
+    """Split the degrees into (ICI, DCN) parts: DCN takes ``num_slices`` from the outermost axes.
 
-    The outermost DCN-capable axes take the slices first. Raises when the slices cannot be covered
-    by those axes, saying which axis would have to cross DCN.
+    The DCN-capable axes (``stage``, ``data``) take the slices first. Where they cannot cover them,
+    the next axes outermost-first do, with a warning naming the axis that now crosses the slow links
+    (``dcn_misplaced`` lists them; ``jaxpar compile`` prices the traffic). Raises only when no split
+    exists at all.
     """
     ici, dcn = dict(spec.degrees), {a: 1 for a in AXES}
     remaining = num_slices
-    for axis in AXES:
-        if remaining == 1:
-            break
-        if axis in DCN_AXES and ici[axis] > 1:
-            take = math.gcd(ici[axis], remaining)
-            ici[axis] //= take
-            dcn[axis] = take
-            remaining //= take
+    for allowed in (True, False):
+        for axis in AXES:
+            if remaining > 1 and (axis in DCN_AXES) == allowed and ici[axis] > 1:
+                take = math.gcd(ici[axis], remaining)
+                ici[axis] //= take
+                dcn[axis] *= take
+                remaining //= take
     if remaining != 1:
-        raise SpecError(
-            f"spec {spec} cannot span {num_slices} slices: only {sorted(DCN_AXES)} may cross the slow "
-            f"links between slices, and their degrees do not cover {num_slices}. Give 'data' (or "
-            f"'stage') a degree that is a multiple of {num_slices}, e.g. data={num_slices}"
+        raise SpecError(f"spec {spec} cannot be split over {num_slices} slices: no axis degrees divide into them")
+    misplaced = dcn_misplaced(dcn)
+    if misplaced:
+        warnings.warn(
+            f"spec {spec} on {num_slices} slices puts {misplaced} across the slow links between slices "
+            f"(only {sorted(DCN_AXES)} should cross them); give 'data' a degree that is a multiple of "
+            f"{num_slices}, e.g. data={num_slices}",
+            stacklevel=2,
         )
     return ici, dcn
+
+
+def dcn_misplaced(dcn: dict[str, int]) -> list[str]:
+    """Axes other than stage/data that cross slices."""
+    return [a for a, d in dcn.items() if d > 1 and a not in DCN_AXES]
 
 
 def make_mesh(spec: ParallelSpec, devices=None, num_slices: int = 1):

@@ -48,6 +48,19 @@ def test_tiny_llama_compiles_for_tpu_pods(pod):
         assert links == {"ICI"}
 
 
+@pytest.mark.tpu_aot
+def test_tensor_axis_across_slices_is_warned_with_its_cost():
+    pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
+    topology = small_pod("tpu-v5p-256", "v5p:2x2x1", (2, 2, 1), slices=2)
+    wide = dataclasses.replace(llama.CONFIGS["tiny"], kv_heads=8)  # so that tensor=8 divides every dim
+    with pytest.warns(UserWarning, match=r"\['tensor'\] across the slow links"):
+        report = aot.compile_report(wide, topology, "tensor=8", batch_size=16, seq_len=64)
+    (warning,) = report["dcn_warnings"]
+    assert warning["axis"] == "tensor" and warning["bytes_per_chip"] > 0
+    assert warning["dcn_seconds"] > warning["ici_seconds"]  # the slow links cost more: that is the point
+    assert any("over tensor" in n and n.endswith("(DCN)") for n in report["collectives"])
+
+
 def test_gpu_topology_compiles_on_simulated_cpus_and_says_so(capsys):
     code = cli.main(["compile", "--model", "tiny", "--topology", "gpu-h100-8", "--strategy", "fsdp=8", "--batch-size", "16", "--seq-len", "32"])
     out = capsys.readouterr().out
@@ -89,3 +102,35 @@ def test_model_that_cannot_fit_says_by_how_much():
 def test_spec_that_does_not_match_the_chips():
     with pytest.raises(SpecError, match="multiplies to 4"):
         aot.compile_report("tiny", load_topology("gpu-h100-8"), "fsdp=4", 16, 32)
+
+
+ITEMSIZE = {"f32": 4, "bf16": 2}
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("regather", [False, True])
+def test_fsdp_traffic_on_a_pod_compile_is_2_or_3_weight_passes(regather):
+    # Counted in elements, so each collective is weighed at the dtype XLA:TPU compiled it in (it
+    # gathers in bf16 weights that feed bf16 matmuls). Psi = all weights; N = 8 chips.
+    pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
+    from jaxpar.analysis import hlo
+
+    topology = small_pod("tpu-v5p-256", "v5p:2x2x2", (2, 2, 2))
+    cfg = llama.CONFIGS["tiny"]
+    strategy = parse_strategy("fsdp=8" + (",regather=on" if regather else ""), 8)
+    layout = build_layout(strategy, aot.tpu_devices(topology))
+    trainer = Trainer(layout, lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, TrainConfig())
+    import jax
+
+    batch = jax.ShapeDtypeStruct((16, 129), jax.numpy.int32)
+    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding(batch))
+    text = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile().as_text()
+    cols = hlo.collectives(text, layout.mesh)
+    elements = {kind: sum(c.bytes_per_step / ITEMSIZE[c.dtype] for c in cols if c.kind == kind) for kind in ("all-gather", "reduce-scatter")}
+    psi = cfg.num_params()
+    layers_psi = psi - 2 * cfg.vocab_size * cfg.embed - cfg.embed  # the weights gathered again
+    share = 7 / 8
+    assert elements["reduce-scatter"] == pytest.approx(psi * share, rel=0.02)
+    assert elements["all-gather"] == pytest.approx((psi + (layers_psi if regather else 0)) * share, rel=0.02)
+    # nothing else moves but a few scalars
+    assert sum(c.bytes_per_step for c in cols if c.kind not in elements) < 64

@@ -32,8 +32,9 @@ def test_bad_specs_name_the_culprit(text, culprit):
 def test_dcn_goes_to_data_and_stage_only():
     ici, dcn = split_ici_dcn(parse_spec("data=4,fsdp=8,tensor=4", 128), 2)
     assert dcn["data"] == 2 and ici["data"] == 2 and all(dcn[a] == 1 for a in AXES if a != "data")
-    with pytest.raises(SpecError, match="cannot span 2 slices"):
-        split_ici_dcn(parse_spec("fsdp=8,tensor=2", 16), 2)
+    with pytest.warns(UserWarning, match=r"puts \['fsdp'\] across the slow links.*data=2"):
+        ici, dcn = split_ici_dcn(parse_spec("fsdp=8,tensor=2", 16), 2)
+    assert dcn["fsdp"] == 2 and ici["fsdp"] == 4
 
 
 def test_mesh_has_every_canonical_axis_in_order():

@@ -43,6 +43,7 @@ class Collective:
     group_size: int  # devices per replica group (collective-permute: see module doc)
     mesh_axes: tuple[str, ...]  # mesh axes whose coordinate varies inside a group, in mesh order
     executions: int  # times it runs per call of the program
+    lowered_as: str = ""  # the op XLA emitted when it differs from the kind it implements (see below)
 
     @property
     def bytes_per_execution(self) -> float:
@@ -357,6 +358,64 @@ def _executions(comps, roots, table, entry) -> dict[str, int]:
 # ---------------------------------------------------------------- main entry
 
 
+# ---------------------------------------------------------------- rewritten collectives
+# XLA's TPU compiler may implement an all-gather as an all-reduce of a zero buffer into which each
+# device wrote its shard (dynamic-update-slice), and a reduce-scatter as an all-reduce whose every
+# use keeps only this device's slice (dynamic-slice, often fused into the next op). Such all-reduces
+# are counted as the collective they implement, with ``lowered_as="all-reduce"``.
+
+_PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose", "copy-start", "copy-done")
+
+
+def _writes_own_slice(name: str, table, comps, roots) -> bool:
+    """Is ``name`` a dynamic-update-slice into a buffer (directly or as a fusion's root)?"""
+    ins = table.get(name)
+    while ins is not None and ins.opcode in _PASS_THROUGH and ins.operands:
+        ins = table.get(ins.operands[0])
+    if ins is None:
+        return False
+    if ins.opcode == "dynamic-update-slice":
+        return True
+    if ins.opcode == "fusion":
+        called = [n for _, n in _callees(ins)]
+        root = roots.get(called[0]) if called else None
+        while root is not None and root.opcode in _PASS_THROUGH and root.operands:
+            root = table.get(root.operands[0])
+        return root is not None and root.opcode == "dynamic-update-slice"
+    return False
+
+
+def _keeps_own_slice(name: str, users, table, comps, depth: int = 0) -> bool:
+    """Does every use of ``name`` keep only a dynamic slice of it (through fusions and copies)?"""
+    uses = users.get(name, [])
+    if not uses or depth > 8:
+        return False
+    for use in uses:
+        if use.opcode == "dynamic-slice" and use.operands[0] == name:
+            continue
+        if use.opcode in _PASS_THROUGH or use.opcode == "get-tuple-element":
+            if _keeps_own_slice(use.name, users, table, comps, depth + 1):
+                continue
+            return False
+        if use.opcode == "fusion":
+            called = [n for _, n in _callees(use)]
+            params = {int(i.raw): i.name for i in comps.get(called[0], []) if i.opcode == "parameter"} if called else {}
+            inner = [params.get(k) for k, o in enumerate(use.operands) if o == name]
+            if inner and all(p and _keeps_own_slice(p, users, table, comps, depth + 1) for p in inner):
+                continue
+        return False
+    return True
+
+
+def _implemented_kind(ins, table, comps, roots, users) -> str:
+    """The collective an all-reduce implements: all-gather, reduce-scatter, or all-reduce."""
+    if ins.operands and all(_writes_own_slice(o, table, comps, roots) for o in ins.operands):
+        return "all-gather"
+    if _keeps_own_slice(ins.name, users, table, comps):
+        return "reduce-scatter"
+    return "all-reduce"
+
+
 # Multi-slice TPU programs hand cross-slice collectives to the runtime as host-transfer sends.
 _CROSS_SLICE = re.compile(r'_xla_host_transfer_handler_name="xla_megascale_runtime".*?_xla_host_transfer_rendezvous="([^"]+)"')
 
@@ -380,6 +439,10 @@ def collectives(hlo_text: str, mesh, dcn_axes: tuple[str, ...] = (), num_slices:
     runs = _executions(comps, roots, table, entry)
     # Async pairs: the result is the -done's shape (the -start's is a tuple with buffers).
     done = {i.operands[0]: i for i in table.values() if i.opcode.endswith("-done") and i.operands}
+    users: dict[str, list[_Instr]] = {}
+    for i in table.values():
+        for o in set(i.operands):
+            users.setdefault(o, []).append(i)
     out = []
     for comp, instrs in comps.items():
         for ins in instrs:
@@ -402,6 +465,12 @@ def collectives(hlo_text: str, mesh, dcn_axes: tuple[str, ...] = (), num_slices:
             else:
                 groups = replica_groups(ins.attrs, mesh.devices.size)
                 size, axes = groups.shape[1], _axes_spanned(groups, mesh)
+            lowered_as = ""
+            if kind == "all-reduce":
+                source = done[ins.name] if ins.opcode.endswith("-start") and ins.name in done else ins
+                implemented = _implemented_kind(ins, table, comps, roots, {**users, ins.name: users.get(source.name, [])})
+                if implemented != kind:
+                    kind, lowered_as = implemented, "all-reduce"
             out.append(Collective(kind, ins.name, _dtype(result), operand_bytes, shape_bytes(result),
-                                  int(size), axes, runs[comp]))
+                                  int(size), axes, runs[comp], lowered_as))
     return out
