@@ -111,7 +111,17 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"))
     batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jax.numpy.int32)
     batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding(batch))
-    compiled = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
+    try:
+        compiled = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        # XLA:TPU refuses a program that cannot fit; that is the answer to "does it fit?"
+        raise JaxparError(
+            f"{model if isinstance(model, str) else 'the model'} with batch {batch_size} x {seq_len} under "
+            f"{strategy} does not fit on {topology.name}: {str(err).splitlines()[0].split(': ', 1)[-1]}. "
+            f"Try --remat full, a smaller --batch-size or --seq-len, or more sharding (tensor, fsdp)"
+        ) from None
 
     stats = compiled.memory_analysis()
     peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes + stats.generated_code_size_in_bytes

@@ -134,3 +134,8 @@ def test_fsdp_traffic_on_a_pod_compile_is_2_or_3_weight_passes(regather):
     assert elements["all-gather"] == pytest.approx((psi + (layers_psi if regather else 0)) * share, rel=0.02)
     # nothing else moves but a few scalars
     assert sum(c.bytes_per_step for c in cols if c.kind not in elements) < 64
+
+
+def test_unknown_topology_names_the_culprit(capsys):
+    assert cli.main(["compile", "--topology", "tpu-v7-9000"]) == 2
+    assert "tpu-v7-9000" in capsys.readouterr().err
