@@ -119,8 +119,9 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
         # XLA:TPU refuses a program that cannot fit; that is the answer to "does it fit?"
         raise JaxparError(
             f"{model if isinstance(model, str) else 'the model'} with batch {batch_size} x {seq_len} under "
-            f"{strategy} does not fit on {topology.name}: {str(err).splitlines()[0].split(': ', 1)[-1]}. "
-            f"Try --remat full, a smaller --batch-size or --seq-len, or more sharding (tensor, fsdp)"
+            f"{strategy} does not fit on {topology.name}: {str(err).splitlines()[0].split(': ', 1)[-1].rstrip('.')}. "
+            f"Try regather=on (FSDP gathers each layer again instead of keeping every layer's weights), a "
+            f"smaller --batch-size or --seq-len, or more sharding (tensor, fsdp)"
         ) from None
 
     stats = compiled.memory_analysis()
@@ -206,8 +207,9 @@ def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int
             sent = traffic.optimal_traffic_by_axis(candidate, strategy, (batch_size, seq_len), cfg)
             rows = [(kind, b, dcn[axis] > 1) for (kind, axis), b in sent.items()]
             est = roofline.estimate(flops, rows, topology, n, roofline.RECOMPUTE[cfg.remat])
-            ranked.append({"strategy": str(strategy), "step_s": est.step_s, "mfu": est.mfu, "state_bytes_per_chip": state})
-    ranked.sort(key=lambda r: r["step_s"])
+            ranked.append({"strategy": str(strategy), "step_s": est.step_s, "comm_s": est.comm_s, "mfu": est.mfu, "state_bytes_per_chip": state})
+    # ties (compute-bound steps) go to less communication, then to less memory
+    ranked.sort(key=lambda r: (round(r["step_s"], 9), r["comm_s"], r["state_bytes_per_chip"]))
     return ranked[:count]
 
 
