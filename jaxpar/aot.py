@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 
 import jax
 
@@ -191,10 +192,12 @@ def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int
             fsdp = n // tensor // data
             text = f"data={data},fsdp={fsdp},tensor={tensor}"
             try:
-                spec = parse_spec(text, n)
-                _, dcn = split_ici_dcn(spec, topology.num_slices)
-                strategy = Strategy(spec)
-                layout = build_layout(strategy, devices, num_slices=topology.num_slices)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # a slow axis across slices is priced below, not warned about
+                    spec = parse_spec(text, n)
+                    _, dcn = split_ici_dcn(spec, topology.num_slices)
+                    strategy = Strategy(spec)
+                    layout = build_layout(strategy, devices, num_slices=topology.num_slices)
                 candidate = Trainer(layout, trainer.model_fn, trainer.loss_fn, trainer.cfg)
                 candidate.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"))
             except JaxparError:  # does not divide the model or the slices: not a candidate
