@@ -110,8 +110,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     layout = build_layout(strategy, target.devices, num_slices=topology.num_slices)
     trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, TrainConfig(compute_dtype=compute_dtype))
     trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"))
-    batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jax.numpy.int32)
-    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding(batch))
+    batch = trainer.abstract_batch(batch_size, seq_len)
     try:
         compiled = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
     except jax.errors.JaxRuntimeError as err:

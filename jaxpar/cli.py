@@ -8,7 +8,9 @@ import sys
 
 
 def _simulate_cpu_devices(count: int):
-    """Ask XLA for ``count`` simulated CPU devices; must run before JAX initialises."""
+    """Ask XLA for ``count`` simulated CPU devices; must run before JAX initialises. JAX is kept to
+    the CPU so that an installed TPU or GPU plugin is not probed for devices that are not there."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()

@@ -2,7 +2,6 @@
 optimum and the ZeRO table (both within 2%); no collective kind the strategy does not call for."""
 import re
 
-import jax
 import pytest
 
 from jaxpar.analysis import memory, traffic
@@ -17,8 +16,7 @@ BATCH, SEQ = 16, 32
 def compiled(strategy_text, cfg=TrainConfig(), model_cfg=TINY):
     strategy = parse_strategy(strategy_text, 8)
     trainer = Trainer(build_layout(strategy), lambda r: llama.Llama(model_cfg, rngs=r), llama.loss_fn, cfg)
-    batch = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jax.numpy.int32)
-    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding(batch))
+    batch = trainer.abstract_batch(BATCH, SEQ)
     step = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
     return strategy, trainer, step
 
@@ -67,8 +65,7 @@ def test_bf16_compute_gathers_in_bf16_and_reduces_in_fp32():
     cfg = TrainConfig(compute_dtype="bfloat16", grad_reduce_dtype="float32")
     strategy = parse_strategy("fsdp=8", 8)
     trainer = Trainer(build_layout(strategy), lambda r: llama.Llama(TINY, rngs=r), llama.loss_fn, cfg)
-    batch = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jax.numpy.int32)
-    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding(batch))
+    batch = trainer.abstract_batch(BATCH, SEQ)
     lowered = trainer.jit_step(batch).lower(trainer.abstract_state(), batch)
     # the program jaxpar emits: weights gathered in bf16, gradients reduced in f32
     text = lowered.as_text()

@@ -120,10 +120,8 @@ def test_fsdp_traffic_on_a_pod_compile_is_2_or_3_weight_passes(regather):
     strategy = parse_strategy("fsdp=8" + (",regather=on" if regather else ""), 8)
     layout = build_layout(strategy, aot.tpu_devices(topology))
     trainer = Trainer(layout, lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, TrainConfig())
-    import jax
 
-    batch = jax.ShapeDtypeStruct((16, 129), jax.numpy.int32)
-    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding(batch))
+    batch = trainer.abstract_batch(16, 128)
     text = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile().as_text()
     cols = hlo.collectives(text, layout.mesh)
     elements = {kind: sum(c.bytes_per_step / ITEMSIZE[c.dtype] for c in cols if c.kind == kind) for kind in ("all-gather", "reduce-scatter")}

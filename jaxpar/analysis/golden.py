@@ -11,7 +11,6 @@ import json
 import pathlib
 import sys
 
-import jax
 
 # (file stem, model, topology, strategy): llama3-8b on a v5p-256 slice and on two of them
 CASES = (
@@ -37,8 +36,7 @@ def sharding_table(model: str, topology_name: str, strategy_text: str) -> dict:
     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
     cfg = model_config(model, "full")
     trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, TrainConfig(compute_dtype="bfloat16"))
-    batch = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jax.numpy.int32)
-    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding(batch))
+    batch = trainer.abstract_batch(BATCH, SEQ)
     trainer.jit_step(batch).lower(trainer.abstract_state(), batch)  # the step must lower with them
     weights = {}
     for path, names in sorted(trainer.names.items()):

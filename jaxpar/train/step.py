@@ -136,6 +136,12 @@ class Trainer:
         spec = PartitionSpec(self.layout.batch_axes or None)
         return jax.tree.map(lambda _: NamedSharding(self.layout.mesh, spec), batch)
 
+    def abstract_batch(self, batch_size: int, seq_len: int):
+        """A (batch_size, seq_len + 1) int32 token batch as a sharded ShapeDtypeStruct, for
+        compiling a step without data."""
+        shape = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
+        return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self.batch_sharding(shape))
+
     def check_batch(self, batch):
         shards = math.prod(self.layout.mesh.shape[a] for a in self.layout.batch_axes) * self.cfg.microbatches
         for leaf in jax.tree.leaves(batch):
