@@ -88,7 +88,7 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
     compute = {name: () for name in LOGICAL_AXES}
     compute["batch"] = data.BATCH_AXES + ("fsdp",)
     compute["length"] = ("context",)
-    compute["residual_length"] = ("context",) + (("tensor",) if strategy.sequence_parallel else ())
+    compute[sequence.LOGICAL_AXIS] = ("context",) + (("tensor",) if strategy.sequence_parallel else ())
     for name in tensor.LOGICAL_AXES:
         compute[name] = ("tensor",)
     compute["experts"] = ("expert",)
@@ -97,7 +97,7 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
     sharded = fsdp.mappings(strategy.zero_stage) if strategy.spec.degrees["fsdp"] > 1 else {}
     stored = {}
     for mapping in ("param", "optimizer", "grad"):
-        rules = {name: axes for name, axes in compute.items() if name not in ("batch", "length", "residual_length")}
+        rules = {name: axes for name, axes in compute.items() if name not in ("batch", "length", sequence.LOGICAL_AXIS)}
         if sharded.get(mapping):
             rules[fsdp.SHARDED_LOGICAL_AXIS] = rules[fsdp.SHARDED_LOGICAL_AXIS] + ("fsdp",)
         stored[mapping] = rules
