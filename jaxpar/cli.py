@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -32,7 +33,46 @@ def _train_parser(sub):
     p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 keeps float32 master weights")
     p.add_argument("--grad-reduce-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype gradients are summed across devices in")
     p.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="what the backward pass recomputes")
+    c = p.add_argument_group("checkpoints (orbax; restorable under any layout, device count or process count)")
+    c.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here")
+    c.add_argument("--checkpoint-every", type=int, default=100, metavar="K", help="save every K steps and after the last (default 100)")
+    c.add_argument("--keep-checkpoints", type=int, default=3, metavar="N", help="keep the last N complete checkpoints (default 3)")
+    c.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir")
+    d = p.add_argument_group("multi-host (jax.distributed; default: detect SLURM / Open MPI / Cloud TPU, else one process)")
+    d.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
+    d.add_argument("--num-processes", type=int, metavar="N")
+    d.add_argument("--process-id", type=int, metavar="I")
+    d.add_argument("--distributed", default="auto", choices=["auto", "on", "off"], help="on: always call jax.distributed.initialize() (Cloud TPU VMs); off: never")
+    d.add_argument("--init-timeout", type=int, default=300, metavar="S", help="seconds to wait for every process to join (default 300)")
+    d.add_argument("--heartbeat-timeout", type=int, default=100, metavar="S", help="a process silent this long is declared dead (default 100)")
     return p
+
+
+def _launch_parser(sub):
+    p = sub.add_parser(
+        "launch", help="run a command as N local processes of one jax.distributed job; restart it from its last checkpoint on failure",
+        usage="jaxpar launch [options] -- COMMAND ...",
+    )
+    p.add_argument("--processes", type=int, default=2, help="processes to start on this machine (default 2)")
+    p.add_argument("--devices-per-process", type=int, help="simulated CPU devices per process (default: the topology's chips / processes)")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart the whole job this many times after a failure (default 0)")
+    p.add_argument("--hang-timeout", type=float, default=600.0, metavar="S", help="no progress from any process for S seconds counts as a hang (default 600)")
+    p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--status-dir", help="where processes report progress (default: a temporary directory)")
+    p.add_argument("job", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command, after '--'")
+    return p
+
+
+def _launch(args) -> int:
+    from jaxpar.launch import LaunchConfig, launch
+
+    command = args.job[1:] if args.job[:1] == ["--"] else args.job
+    cfg = LaunchConfig(
+        processes=args.processes, devices_per_process=args.devices_per_process, max_restarts=args.max_restarts,
+        hang_timeout_s=args.hang_timeout, port=args.port, status_dir=args.status_dir,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children too (launch cleans up on exit)
+    return launch(command, cfg)
 
 
 def _bench_parser(sub):
@@ -95,13 +135,30 @@ def _compile(args) -> int:
 
 
 def _train(args) -> int:
+    from jaxpar import launch
     from jaxpar.topology import load_topology
 
     topology = load_topology(args.topology)
+    for name, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--microbatches", args.microbatches)):
+        if value <= 0:
+            raise SystemExit(f"jaxpar train: {name} must be positive, got {value}")
+    dist = launch.DistributedArgs(
+        coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id, mode=args.distributed,
+        init_timeout_s=args.init_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+    )
     if topology.platform == "cpu":
-        _simulate_cpu_devices(topology.num_chips)
+        _simulate_cpu_devices(launch.local_share(topology.num_chips, dist))
+    launch.initialize(dist, topology.platform)
+    from jaxpar.train.checkpoint import CheckpointConfig
     from jaxpar.train.loop import RunConfig, format_summary, run_training, write_json_atomically
     from jaxpar.train.step import TrainConfig
+
+    if args.resume and not args.checkpoint_dir:
+        raise SystemExit("jaxpar train: --resume needs --checkpoint-dir, the directory the run saved into")
+    checkpoint = None
+    if args.checkpoint_dir:
+        checkpoint = CheckpointConfig(args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep_checkpoints)
+    resume = "required" if args.resume else os.environ.get(launch.ENV_RESUME, "never")
 
     run = RunConfig(
         model=args.model, strategy=args.strategy, steps=args.steps, batch_size=args.batch_size,
@@ -111,10 +168,11 @@ def _train(args) -> int:
             compute_dtype=args.compute_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
         ),
     )
-    for name, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--microbatches", args.microbatches)):
-        if value <= 0:
-            raise SystemExit(f"jaxpar train: {name} must be positive, got {value}")
-    report = run_training(run, topology)
+    report = run_training(run, topology, checkpoint=checkpoint, resume=resume)
+    import jax
+
+    if jax.process_index() != 0:
+        return 0  # process 0 speaks for the job
     print(format_summary(report))
     if args.metrics_json:
         write_json_atomically(args.metrics_json, report)
@@ -128,6 +186,7 @@ def main(argv=None) -> int:
     _train_parser(sub)
     _bench_parser(sub)
     _compile_parser(sub)
+    _launch_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -135,7 +194,7 @@ def main(argv=None) -> int:
     from jaxpar.errors import JaxparError
 
     try:
-        return {"train": _train, "bench": _bench, "compile": _compile}[args.command](args)
+        return {"train": _train, "bench": _bench, "compile": _compile, "launch": _launch}[args.command](args)
     except JaxparError as err:
         print(f"jaxpar {args.command}: {err}", file=sys.stderr)
         return 2

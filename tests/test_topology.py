@@ -17,7 +17,7 @@ from jaxpar.topology import (
 )
 
 SHIPPED = [
-    "cpu-1", "cpu-8", "tpu-v4-128", "tpu-v5e-256", "tpu-v5p-256", "tpu-v5p-1024",
+    "cpu-1", "cpu-4", "cpu-8", "tpu-v4-128", "tpu-v5e-256", "tpu-v5p-256", "tpu-v5p-1024",
     "tpu-v6e-256", "tpu-v5p-256x2", "tpu-v6e-256x2", "gpu-h100-8", "gpu-h100-64", "gpu-h200-8",
 ]
 
@@ -87,6 +87,7 @@ def test_shipped_file_loads_and_is_consistent(name):
         ("gpu-h100-8", 8, 1),
         ("gpu-h100-64", 64, 8),
         ("cpu-8", 8, 1),
+        ("cpu-4", 4, 1),
         ("cpu-1", 1, 1),
     ],
 )

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 
 import jax
-from flax import nnx
 
 BYTES_PER_PARAM = {"parameters": 4, "gradient_accumulation": 4, "optimizer": 8}
 _STAGE_THAT_SHARDS = {"optimizer": 1, "gradient_accumulation": 2, "parameters": 3}
@@ -49,15 +48,7 @@ def zero_table(trainer, zero_stage: int) -> dict[str, float]:
 
 def measured_memory(trainer, compiled_step) -> dict[str, int]:
     """Bytes per device by kind, read from compiled programs (see the module docstring)."""
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-
-    def init_params(k):
-        with nnx.use_eager_sharding(False):
-            return nnx.to_pure_dict(nnx.state(trainer.model_fn(nnx.Rngs(k))))
-
-    params = jax.jit(init_params, out_shardings=trainer.state_shardings.params).lower(key).compile()
-    abstract_params = trainer.abstract_state().params
-    opt = jax.jit(trainer.optimizer.init, out_shardings=trainer.state_shardings.opt_state).lower(abstract_params).compile()
+    params, opt = trainer.init_programs()
     step = compiled_step.memory_analysis()
     opt_bytes = opt.memory_analysis().output_size_in_bytes
     # optax keeps a step counter per state; it is not part of the per-parameter table

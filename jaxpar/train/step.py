@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -116,6 +117,7 @@ class Trainer:
         )
         self.state_shardings = TrainState(shard(self.param_specs), shard(self.opt_specs), NamedSharding(layout.mesh, PartitionSpec()))
         self._step = None
+        self._init_programs = None
         self.accumulator_bytes = None  # set when the step is traced
 
     # --- layout checks, before any device memory is touched --------------------------------
@@ -155,15 +157,26 @@ class Trainer:
 
     def init(self, seed: int = 0) -> TrainState:
         """Sharded parameters and optimizer state; the same seed gives the same values on any layout."""
-
-        def init_params(key):
-            with nnx.use_eager_sharding(False):
-                return nnx.to_pure_dict(nnx.state(self.model_fn(nnx.Rngs(key))))
-
-        params = jax.jit(init_params, out_shardings=self.state_shardings.params)(jax.random.key(seed))
-        opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings.opt_state)(params)
+        init_params, init_opt = self.init_programs()
+        params = init_params(jax.random.key(seed))
         step = jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step)
-        return TrainState(params, opt_state, step)
+        return TrainState(params, init_opt(params), step)
+
+    def init_programs(self):
+        """The compiled initialisers of the parameters (from a key) and of the optimizer state
+        (from the parameters), each writing straight into its layout. Compiled once: ``init``
+        runs them, and memory analysis reads their output sizes."""
+        if self._init_programs is None:
+
+            def init_params(key):
+                with nnx.use_eager_sharding(False):
+                    return nnx.to_pure_dict(nnx.state(self.model_fn(nnx.Rngs(key))))
+
+            key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+            params = jax.jit(init_params, out_shardings=self.state_shardings.params).lower(key).compile()
+            opt = jax.jit(self.optimizer.init, out_shardings=self.state_shardings.opt_state)
+            self._init_programs = (params, opt.lower(self.abstract_state().params).compile())
+        return self._init_programs
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs with shardings: enough to compile a step without allocating anything."""
@@ -332,6 +345,19 @@ class Trainer:
         """Place a host batch on the devices, split over the batch axes."""
         self.check_batch(batch)
         return jax.device_put(batch, self.batch_sharding(batch))
+
+    def put_process_batch(self, batch_size: int, rows: Callable[[int, int], Any]):
+        """Build a global batch of ``batch_size`` rows of which this process makes only its own.
+
+        ``rows(start, stop)`` returns rows ``[start, stop)`` of the global batch as a host array.
+        It is called for the row ranges held by this process's devices (in order), so with
+        several processes each one reads only its shard of the data."""
+        self.check_batch(np.zeros((batch_size, 1)))
+        sharding = NamedSharding(self.layout.mesh, PartitionSpec(self.layout.batch_axes or None))
+        held = sharding.addressable_devices_indices_map((batch_size,)).values()
+        ranges = sorted({(index[0].start or 0, batch_size if index[0].stop is None else index[0].stop) for index in held})
+        local = np.concatenate([rows(start, stop) for start, stop in ranges])
+        return jax.make_array_from_process_local_data(sharding, local, (batch_size,) + local.shape[1:])
 
 
 def _flatten(tree) -> dict:

@@ -1,0 +1,318 @@
+"""Multi-host: joining ``jax.distributed``, and ``jaxpar launch``, which runs a job as N local
+processes, watches them and restarts the job from its last checkpoint when one fails.
+
+Every byte between processes goes through JAX: the coordination service of ``jax.distributed``
+and XLA's collectives (gloo on CPU, NCCL on GPU, ICI/DCN on TPU). Nothing here opens a socket of
+its own, except a TCP probe of the coordinator's port so that an unreachable coordinator is
+reported in words instead of by the runtime aborting the process.
+
+Where a job's processes come from, in order of precedence:
+
+1. explicit ``--coordinator --num-processes --process-id`` (``DistributedArgs``);
+2. ``JAXPAR_COORDINATOR`` / ``JAXPAR_NUM_PROCESSES`` / ``JAXPAR_PROCESS_ID``, set by ``jaxpar launch``;
+3. a cluster JAX detects itself (SLURM, Open MPI, Cloud TPU / GKE), which jaxpar recognises from
+   the environment and then leaves to ``jax.distributed.initialize()``;
+4. none of these: one process, no ``jax.distributed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from jaxpar.errors import JaxparError
+
+ENV_COORDINATOR = "JAXPAR_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
+ENV_STATUS_DIR = "JAXPAR_STATUS_DIR"  # where each process reports its progress to the launcher
+ENV_RESUME = "JAXPAR_RESUME"  # "auto" on a restart: resume from the last complete checkpoint if any
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedArgs:
+    coordinator: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    mode: str = "auto"  # auto | on | off: "on" forces JAX's own cluster detection (e.g. Cloud TPU VMs)
+    init_timeout_s: int = 300  # how long to wait for every process to join
+    heartbeat_timeout_s: int = 100  # a process silent this long is declared dead by the coordinator
+
+
+def detect_cluster(environ=os.environ) -> str | None:
+    """The multi-process cluster the environment describes, if any: 'slurm', 'openmpi' or 'tpu'.
+
+    Only clusters with more than one process count; JAX reads the details itself."""
+    if "SLURM_JOB_ID" in environ and int(environ.get("SLURM_NTASKS", environ.get("SLURM_NPROCS", "1"))) > 1:
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in environ and int(environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "openmpi"
+    hosts = environ.get("TPU_PROCESS_ADDRESSES") or environ.get("TPU_WORKER_HOSTNAMES") or ""
+    if len([h for h in hosts.split(",") if h]) > 1:
+        return "tpu"
+    return None
+
+
+def _explicit(args: DistributedArgs, environ) -> tuple[str, int, int] | None:
+    """(coordinator, num_processes, process_id) from flags or the launcher's environment."""
+    given = (args.coordinator, args.num_processes, args.process_id)
+    if any(v is not None for v in given):
+        if any(v is None for v in given):
+            raise JaxparError(
+                f"--coordinator {args.coordinator}, --num-processes {args.num_processes}, --process-id {args.process_id}: "
+                "give all three or none (none lets jaxpar detect the cluster from the environment)"
+            )
+        coordinator, count, rank = given
+    elif ENV_COORDINATOR in environ:
+        coordinator, count, rank = environ[ENV_COORDINATOR], int(environ[ENV_NUM_PROCESSES]), int(environ[ENV_PROCESS_ID])
+    else:
+        return None
+    if count < 1 or not 0 <= rank < count:
+        raise JaxparError(f"process id {rank} is not in [0, {count}) for {count} processes; ids run from 0 to num_processes - 1")
+    _split_address(coordinator)
+    return coordinator, count, rank
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise JaxparError(f"coordinator address {address!r} is not host:port (e.g. 10.0.0.1:1234)")
+    return host, int(port)
+
+
+def wait_for_coordinator(address: str, timeout_s: float):
+    """Return once ``address`` accepts TCP connections; raise a JaxparError after ``timeout_s``.
+
+    jax.distributed's client aborts the process (not a Python error) when the coordinator never
+    answers, with a message about another task dying; this says what is really wrong first."""
+    host, port = _split_address(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, timeout_s)):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise JaxparError(
+                    f"coordinator {address} could not be reached within {timeout_s:g} s ({err.strerror or err}); "
+                    "check that process 0 runs and listens on that host and port, that the port is open, "
+                    "or raise the wait with --init-timeout"
+                ) from None
+            time.sleep(0.2)
+
+
+def local_share(num_chips: int, args: DistributedArgs = DistributedArgs(), environ=os.environ) -> int:
+    """How many of a CPU topology's ``num_chips`` simulated devices each local process gets: all of
+    them for one process, an equal share in a job whose process count is known up front."""
+    explicit = _explicit(args, environ) if args.mode != "off" else None
+    count = explicit[1] if explicit else 1
+    if num_chips % count:
+        raise JaxparError(f"{num_chips} chips do not split evenly over {count} processes; use a process count that divides {num_chips}")
+    return num_chips // count
+
+
+def initialize(args: DistributedArgs = DistributedArgs(), platform: str = "cpu", environ=os.environ) -> int:
+    """Join the job's ``jax.distributed`` runtime if it has several processes; return the count.
+
+    Must run before JAX creates its backends. On CPU, cross-process collectives use gloo."""
+    if args.mode not in ("auto", "on", "off"):
+        raise JaxparError(f"distributed mode {args.mode!r} is not one of auto, on, off")
+    if args.mode == "off":
+        return 1
+    explicit = _explicit(args, environ)
+    cluster = detect_cluster(environ)
+    if explicit is None and cluster is None and args.mode == "auto":
+        return 1
+    import jax
+
+    if platform == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeouts = dict(initialization_timeout=args.init_timeout_s, heartbeat_timeout_seconds=args.heartbeat_timeout_s)
+    if explicit is None:
+        jax.distributed.initialize(**timeouts)  # JAX's own detection (SLURM, Open MPI, Cloud TPU, GKE)
+        return jax.process_count()
+    coordinator, count, rank = explicit
+    if count == 1:
+        return 1
+    if rank != 0:
+        wait_for_coordinator(coordinator, args.init_timeout_s)
+    jax.distributed.initialize(coordinator, count, rank, **timeouts)
+    return count
+
+
+# --- progress reports: how the launcher tells a hung process from a busy one ---------------------
+
+
+def report_progress(phase: str, step: int, environ=os.environ):
+    """Tell the launcher (if any) that this process reached ``phase`` of ``step``.
+
+    Written atomically to ``$JAXPAR_STATUS_DIR/process-<id>.json``; a no-op outside ``jaxpar launch``."""
+    directory = environ.get(ENV_STATUS_DIR)
+    if not directory:
+        return
+    rank = environ.get(ENV_PROCESS_ID, "0")
+    path = os.path.join(directory, f"process-{rank}.json")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"phase": phase, "step": step, "pid": os.getpid(), "time": time.time()}, f)
+    os.replace(tmp, path)
+
+
+def read_progress(directory: str, rank: int) -> dict | None:
+    try:
+        with open(os.path.join(directory, f"process-{rank}.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+# --- the local launcher --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    processes: int = 2
+    devices_per_process: int | None = None  # simulated CPU devices each; None: the topology's chips / processes
+    max_restarts: int = 0
+    hang_timeout_s: float = 600.0  # no progress report from any process for this long: the job is hung
+    port: int | None = None  # coordinator port on 127.0.0.1; None: a free one
+    status_dir: str | None = None  # None: a fresh temporary directory
+
+
+class JobFailed(JaxparError):
+    """The job failed and no restarts were left."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _pump(stream, prefix: str, out):
+    """Copy a child's output line by line, prefixed with its process id."""
+    for line in iter(stream.readline, b""):
+        out.write(prefix + line.decode(errors="replace"))
+        out.flush()
+    stream.close()
+
+
+class _Attempt:
+    """One start of the whole job: N processes, their output threads, and their watchdog."""
+
+    def __init__(self, command, cfg: LaunchConfig, status_dir: str, restart: int, out):
+        self.cfg, self.status_dir, self.procs, self.threads = cfg, status_dir, [], []
+        for name in os.listdir(status_dir):
+            os.unlink(os.path.join(status_dir, name))
+        port = cfg.port or _free_port()
+        for rank in range(cfg.processes):
+            env = dict(os.environ)
+            env.update({
+                ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(cfg.processes),
+                ENV_PROCESS_ID: str(rank), ENV_STATUS_DIR: status_dir, "PYTHONUNBUFFERED": "1",
+            })
+            # an inherited device count is the parent's, not this process's share of the job
+            flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+            if cfg.devices_per_process:
+                flags.append(f"--xla_force_host_platform_device_count={cfg.devices_per_process}")
+            env["XLA_FLAGS"] = " ".join(flags)
+            if restart:
+                env[ENV_RESUME] = "auto"
+            proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            thread = threading.Thread(target=_pump, args=(proc.stdout, f"[p{rank}] ", out), daemon=True)
+            thread.start()
+            self.procs.append(proc)
+            self.threads.append(thread)
+        self.started = time.time()
+
+    def _last_progress(self, rank: int) -> tuple[float, dict | None]:
+        report = read_progress(self.status_dir, rank)
+        return (report["time"] if report else self.started), report
+
+    def wait(self, poll_s: float = 0.2) -> str | None:
+        """Block until every process exits 0 (returns None) or the job fails (returns why)."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            for rank, code in enumerate(codes):
+                if code not in (None, 0):
+                    return f"process {rank} (pid {self.procs[rank].pid}) {_describe_exit(code)}"
+            if all(code == 0 for code in codes):
+                return None
+            latest = max(self._last_progress(r)[0] for r in range(len(self.procs)))
+            if time.time() - latest > self.cfg.hang_timeout_s:
+                return self._describe_hang()
+            time.sleep(poll_s)
+
+    def _describe_hang(self) -> str:
+        """Name the process that is behind: the others wait for it inside a collective."""
+        reports = {r: self._last_progress(r)[1] for r in range(len(self.procs))}
+        position = lambda r: (reports[r]["step"], reports[r]["phase"] == "done") if reports[r] else (-1, False)  # noqa: E731
+        behind = min(reports, key=position)
+        where = reports[behind]
+        state = f"last reported {where['phase']} of step {where['step']}" if where else "never reported progress"
+        return (
+            f"no process made progress for {self.cfg.hang_timeout_s:g} s: process {behind} "
+            f"(pid {self.procs[behind].pid}) looks hung ({state}); the others wait for it"
+        )
+
+    def stop(self, grace_s: float = 5.0):
+        """SIGTERM every process group still running, SIGKILL after ``grace_s``."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in self.procs:
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.time() + grace_s
+            while time.time() < deadline and any(p.poll() is None for p in self.procs):
+                time.sleep(0.05)
+        for thread in self.threads:
+            thread.join(timeout=2.0)
+
+
+def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=sys.stdout) -> int:
+    """Run ``command`` as ``cfg.processes`` local processes of one ``jax.distributed`` job.
+
+    When a process dies or the job hangs, every process is stopped (within the poll interval plus
+    a 5 s grace for a death; ``hang_timeout_s`` for a hang) and the job is started again, at most
+    ``max_restarts`` times, with ``JAXPAR_RESUME=auto`` so that ``jaxpar train`` continues from its
+    last complete checkpoint. Returns 0 on success; raises JobFailed when restarts run out."""
+    if not command:
+        raise JaxparError("jaxpar launch needs a command after '--', e.g. jaxpar launch --processes 2 -- jaxpar train")
+    if cfg.processes < 1:
+        raise JaxparError(f"--processes {cfg.processes} must be at least 1")
+    if cfg.max_restarts < 0:
+        raise JaxparError(f"--max-restarts {cfg.max_restarts} must be 0 or more")
+    if cfg.hang_timeout_s <= 0:
+        raise JaxparError(f"--hang-timeout {cfg.hang_timeout_s} must be positive (seconds)")
+    status_dir = cfg.status_dir or tempfile.mkdtemp(prefix="jaxpar-launch-")
+    os.makedirs(status_dir, exist_ok=True)
+    for restart in range(cfg.max_restarts + 1):
+        note = f" (restart {restart} of {cfg.max_restarts})" if restart else ""
+        out.write(f"jaxpar launch: starting {cfg.processes} processes{note}; progress reports in {status_dir}\n")
+        attempt = _Attempt(command, cfg, status_dir, restart, out)
+        try:
+            failure = attempt.wait()
+        finally:
+            attempt.stop()
+        if failure is None:
+            out.write(f"jaxpar launch: all {cfg.processes} processes finished\n")
+            return 0
+        out.write(f"jaxpar launch: {failure}; stopped the job\n")
+        out.flush()
+    raise JobFailed(f"{failure}; no restarts left (--max-restarts {cfg.max_restarts})")
