@@ -37,7 +37,10 @@ def _train_parser(sub):
     c.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here")
     c.add_argument("--checkpoint-every", type=int, default=100, metavar="K", help="save every K steps and after the last (default 100)")
     c.add_argument("--keep-checkpoints", type=int, default=3, metavar="N", help="keep the last N complete checkpoints (default 3)")
-    c.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --checkpoint-dir")
+    c.add_argument(
+        "--resume", nargs="?", const="required", choices=["required", "auto"],
+        help="continue from the latest complete checkpoint in --checkpoint-dir; --resume=auto also starts afresh when there is none",
+    )
     d = p.add_argument_group("multi-host (jax.distributed; default: detect SLURM / Open MPI / Cloud TPU, else one process)")
     d.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
     d.add_argument("--num-processes", type=int, metavar="N")
@@ -56,7 +59,8 @@ def _launch_parser(sub):
     p.add_argument("--processes", type=int, default=2, help="processes to start on this machine (default 2)")
     p.add_argument("--devices-per-process", type=int, help="simulated CPU devices per process (default: the topology's chips / processes)")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the whole job this many times after a failure (default 0)")
-    p.add_argument("--hang-timeout", type=float, default=600.0, metavar="S", help="no progress from any process for S seconds counts as a hang (default 600)")
+    p.add_argument("--hang-timeout", type=float, default=600.0, metavar="S", help="once steps run, no progress from any process for S seconds is a hang (default 600)")
+    p.add_argument("--startup-timeout", type=float, default=1800.0, metavar="S", help="the same before every process has finished its first step (default 1800)")
     p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
     p.add_argument("--status-dir", help="where processes report progress (default: a temporary directory)")
     p.add_argument("job", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command, after '--'")
@@ -69,7 +73,7 @@ def _launch(args) -> int:
     command = args.job[1:] if args.job[:1] == ["--"] else args.job
     cfg = LaunchConfig(
         processes=args.processes, devices_per_process=args.devices_per_process, max_restarts=args.max_restarts,
-        hang_timeout_s=args.hang_timeout, port=args.port, status_dir=args.status_dir,
+        hang_timeout_s=args.hang_timeout, startup_timeout_s=args.startup_timeout, port=args.port, status_dir=args.status_dir,
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children too (launch cleans up on exit)
     return launch(command, cfg)
@@ -158,7 +162,7 @@ def _train(args) -> int:
     checkpoint = None
     if args.checkpoint_dir:
         checkpoint = CheckpointConfig(args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep_checkpoints)
-    resume = "required" if args.resume else os.environ.get(launch.ENV_RESUME, "never")
+    resume = args.resume or os.environ.get(launch.ENV_RESUME, "never")
 
     run = RunConfig(
         model=args.model, strategy=args.strategy, steps=args.steps, batch_size=args.batch_size,

@@ -182,7 +182,8 @@ class LaunchConfig:
     processes: int = 2
     devices_per_process: int | None = None  # simulated CPU devices each; None: the topology's chips / processes
     max_restarts: int = 0
-    hang_timeout_s: float = 600.0  # no progress report from any process for this long: the job is hung
+    hang_timeout_s: float = 600.0  # once training runs: no progress report from any process for this long is a hang
+    startup_timeout_s: float = 1800.0  # before every process has reported its first step (imports, compiling)
     port: int | None = None  # coordinator port on 127.0.0.1; None: a free one
     status_dir: str | None = None  # None: a fresh temporary directory
 
@@ -247,17 +248,23 @@ class _Attempt:
         """Block until every process exits 0 (returns None) or the job fails (returns why)."""
         while True:
             codes = [p.poll() for p in self.procs]
-            for rank, code in enumerate(codes):
-                if code not in (None, 0):
-                    return f"process {rank} (pid {self.procs[rank].pid}) {_describe_exit(code)}"
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                # The others fail *because* of the first: blame a process killed by a signal before
+                # one that aborted (SIGABRT: the runtime's reaction) or exited with an error.
+                failed.sort(key=lambda r: 0 if codes[r] < 0 and codes[r] != -signal.SIGABRT else 1 if codes[r] < 0 else 2)
+                what = [f"process {r} (pid {self.procs[r].pid}) {_describe_exit(codes[r])}" for r in failed]
+                return what[0] + (f" (then {', '.join(what[1:])})" if len(what) > 1 else "")
             if all(code == 0 for code in codes):
                 return None
-            latest = max(self._last_progress(r)[0] for r in range(len(self.procs)))
-            if time.time() - latest > self.cfg.hang_timeout_s:
-                return self._describe_hang()
+            progress = [self._last_progress(r) for r in range(len(self.procs))]
+            started = all(report for _, report in progress)
+            limit = self.cfg.hang_timeout_s if started else self.cfg.startup_timeout_s
+            if time.time() - max(t for t, _ in progress) > limit:
+                return self._describe_hang(limit)
             time.sleep(poll_s)
 
-    def _describe_hang(self) -> str:
+    def _describe_hang(self, limit: float) -> str:
         """Name the process that is behind: the others wait for it inside a collective."""
         reports = {r: self._last_progress(r)[1] for r in range(len(self.procs))}
         position = lambda r: (reports[r]["step"], reports[r]["phase"] == "done") if reports[r] else (-1, False)  # noqa: E731
@@ -265,7 +272,7 @@ class _Attempt:
         where = reports[behind]
         state = f"last reported {where['phase']} of step {where['step']}" if where else "never reported progress"
         return (
-            f"no process made progress for {self.cfg.hang_timeout_s:g} s: process {behind} "
+            f"no process made progress for {limit:g} s: process {behind} "
             f"(pid {self.procs[behind].pid}) looks hung ({state}); the others wait for it"
         )
 
@@ -285,7 +292,7 @@ class _Attempt:
             thread.join(timeout=2.0)
 
 
-def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=sys.stdout) -> int:
+def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=None) -> int:
     """Run ``command`` as ``cfg.processes`` local processes of one ``jax.distributed`` job.
 
     When a process dies or the job hangs, every process is stopped (within the poll interval plus
@@ -298,8 +305,9 @@ def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=sys.stdou
         raise JaxparError(f"--processes {cfg.processes} must be at least 1")
     if cfg.max_restarts < 0:
         raise JaxparError(f"--max-restarts {cfg.max_restarts} must be 0 or more")
-    if cfg.hang_timeout_s <= 0:
-        raise JaxparError(f"--hang-timeout {cfg.hang_timeout_s} must be positive (seconds)")
+    if cfg.hang_timeout_s <= 0 or cfg.startup_timeout_s <= 0:
+        raise JaxparError(f"--hang-timeout {cfg.hang_timeout_s} and --startup-timeout {cfg.startup_timeout_s} must be positive (seconds)")
+    out = out or sys.stdout
     status_dir = cfg.status_dir or tempfile.mkdtemp(prefix="jaxpar-launch-")
     os.makedirs(status_dir, exist_ok=True)
     for restart in range(cfg.max_restarts + 1):
@@ -308,11 +316,11 @@ def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=sys.stdou
         attempt = _Attempt(command, cfg, status_dir, restart, out)
         try:
             failure = attempt.wait()
+            if failure is None:
+                out.write(f"jaxpar launch: all {cfg.processes} processes finished\n")
+                return 0
+            out.write(f"jaxpar launch: {failure}; stopping the job\n")
+            out.flush()
         finally:
             attempt.stop()
-        if failure is None:
-            out.write(f"jaxpar launch: all {cfg.processes} processes finished\n")
-            return 0
-        out.write(f"jaxpar launch: {failure}; stopped the job\n")
-        out.flush()
     raise JobFailed(f"{failure}; no restarts left (--max-restarts {cfg.max_restarts})")

@@ -140,8 +140,8 @@ def run_training(
     losses, times = [], []
     bar = _Progress(start, run.steps, progress) if (progress and lead and start < run.steps) else None
     for step in range(start, run.steps):
-        report_progress("start", step + 1)
         batch = batch_of(tokens, step)
+        report_progress("start", step + 1)  # from here on, this process waits for the others in collectives
         began = time.perf_counter()
         try:
             state, metrics = compiled(state, batch)
@@ -162,6 +162,7 @@ def run_training(
             ckpt.save(step + 1, state, dict(meta, data=_data_position(run, step + 1)))
     if bar:
         bar.close()
+    report_progress("evaluating", run.steps)
     if ckpt:
         ckpt.wait()
         ckpt.close()
