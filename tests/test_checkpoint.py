@@ -68,6 +68,19 @@ def test_restores_bit_for_bit_under_another_layout(saved, strategy, topology):
     assert meta["step"] == 4
 
 
+def test_four_device_checkpoint_restores_on_eight(tmp_path):
+    directory = tmp_path / "four"
+    run = dataclasses.replace(RUN, strategy="fsdp=2,tensor=2", steps=1)
+    run_training(run, load_topology("cpu-4"), progress=None, checkpoint=CheckpointConfig(str(directory)))
+    expected, meta = load_arrays(str(directory))
+    assert meta["devices"] == 4
+    trainer, _, _ = build_trainer(RUN, load_topology("cpu-8"))
+    state, _ = Checkpointer.existing(CheckpointConfig(str(directory))).restore(trainer.abstract_state())
+    for path, array in flat_arrays(state).items():
+        assert len(array.sharding.device_set) == 8
+        np.testing.assert_array_equal(np.asarray(array), expected[path], err_msg=path)
+
+
 def test_resumed_run_equals_uninterrupted(saved, tmp_path):
     directory, report = saved
     copy = tmp_path / "resume"

@@ -100,3 +100,23 @@ def test_rows_outside_the_batch_are_explained(tokens, rows):
 def test_target_beyond_the_stdlib_is_explained():
     with pytest.raises(JaxparError, match=r"target_bytes=100000000 .*pass target_bytes <="):
         data.corpus_bytes(100_000_000)
+
+
+@pytest.mark.parametrize("strategy, ranges", [("fsdp=8", 8), ("data=2,tensor=4", 2), ("fsdp=2,tensor=4", 2), ("tensor=4", 1)])
+def test_process_batch_reads_each_held_row_range_once(tokens, strategy, ranges):
+    from jaxpar.topology import load_topology
+    from jaxpar.train.loop import RunConfig, build_trainer
+
+    topology = "cpu-4" if strategy == "tensor=4" else "cpu-8"
+    trainer, _, _ = build_trainer(RunConfig(strategy=strategy), load_topology(topology))
+    asked = []
+
+    def rows(start, stop):
+        asked.append((start, stop))
+        return data.local_batch_at(tokens, 5, 16, 32, 0, start, stop)
+
+    batch = trainer.put_process_batch(16, rows)
+    np.testing.assert_array_equal(np.asarray(batch), data.batch_at(tokens, 5, 16, 32, 0))
+    assert batch.sharding == trainer.batch_sharding(batch)
+    # one request per distinct row range the devices hold: replicated rows are read once
+    assert asked == [(i * 16 // ranges, (i + 1) * 16 // ranges) for i in range(ranges)]

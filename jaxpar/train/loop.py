@@ -137,7 +137,7 @@ def run_training(
     batch_of = lambda corpus, step: trainer.put_process_batch(  # noqa: E731
         run.batch_size, lambda a, b: data.local_batch_at(corpus, step, run.batch_size, run.seq_len, run.seed, a, b)
     )
-    losses, times = [], []
+    losses, times, save_pauses = [], [], []
     bar = _Progress(start, run.steps, progress) if (progress and lead and start < run.steps) else None
     for step in range(start, run.steps):
         batch = batch_of(tokens, step)
@@ -159,7 +159,9 @@ def run_training(
         if bar:
             bar.update(step + 1, loss, run.batch_size * run.seq_len / times[-1])
         if ckpt and ckpt.should_save(step + 1, run.steps):
+            began = time.perf_counter()
             ckpt.save(step + 1, state, dict(meta, data=_data_position(run, step + 1)))
+            save_pauses.append(time.perf_counter() - began)  # training waits this long; the writing goes on behind
     if bar:
         bar.close()
     report_progress("evaluating", run.steps)
@@ -198,7 +200,7 @@ def run_training(
             "zero_table_bytes_per_param": memory.BYTES_PER_PARAM,
         },
         "communication": comm,
-        "checkpoints": {"directory": ckpt.directory, "steps": ckpt.steps()} if ckpt else None,
+        "checkpoints": {"directory": ckpt.directory, "steps": ckpt.steps(), "save_pause_s": save_pauses} if ckpt else None,
     }
 
 
@@ -257,7 +259,9 @@ def format_summary(report: dict) -> str:
     else:
         lines.append(f"  (none: the checkpoint is already at step {first} of {report['steps']})")
     if report["checkpoints"]:
-        lines.append(f"checkpoints {report['checkpoints']['steps']} in {report['checkpoints']['directory']}")
+        pauses = report["checkpoints"]["save_pause_s"]
+        pause = f"; training paused {1000 * float(np.median(pauses)):.0f} ms per save (median)" if pauses else ""
+        lines.append(f"checkpoints {report['checkpoints']['steps']} in {report['checkpoints']['directory']}{pause}")
     lines += [
         f"held-out loss {report['held_out_loss']:.4f}",
         f"throughput {report['tokens_per_s']:,.0f} tokens/s (median step; compile excluded)",
