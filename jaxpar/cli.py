@@ -60,7 +60,7 @@ def _launch_parser(sub):
     p.add_argument("--devices-per-process", type=int, help="simulated CPU devices per process (default: the topology's chips / processes)")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the whole job this many times after a failure (default 0)")
     p.add_argument("--hang-timeout", type=float, default=600.0, metavar="S", help="once steps run, no progress from any process for S seconds is a hang (default 600)")
-    p.add_argument("--startup-timeout", type=float, default=1800.0, metavar="S", help="the same before every process has finished its first step (default 1800)")
+    p.add_argument("--startup-timeout", type=float, default=1800.0, metavar="S", help="the same before every process has begun its first step: imports, compiling (default 1800)")
     p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
     p.add_argument("--status-dir", help="where processes report progress (default: a temporary directory)")
     p.add_argument("job", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command, after '--'")

@@ -300,7 +300,7 @@ def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=None) -> 
     ``max_restarts`` times, with ``JAXPAR_RESUME=auto`` so that ``jaxpar train`` continues from its
     last complete checkpoint. Returns 0 on success; raises JobFailed when restarts run out."""
     if not command:
-        raise JaxparError("jaxpar launch needs a command after '--', e.g. jaxpar launch --processes 2 -- jaxpar train")
+        raise JaxparError("a command is needed after '--', e.g. jaxpar launch --processes 2 -- jaxpar train")
     if cfg.processes < 1:
         raise JaxparError(f"--processes {cfg.processes} must be at least 1")
     if cfg.max_restarts < 0:
