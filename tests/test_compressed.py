@@ -124,3 +124,13 @@ def test_wire_bytes_from_the_compiled_hlo(mesh):
     print(f"dynamiq 5-bit sends {dynamiq:,.0f} bytes per device, {dynamiq / fp32_ring:.3f} of a float32 ring all-reduce")
     assert dynamiq / fp32_ring == pytest.approx(quantize.wire_bits_per_value(5, "dynamiq") / 32, rel=1e-6)
     assert dynamiq / fp32_ring <= 0.19
+
+
+@pytest.mark.parametrize("algorithm, costs", [("ring", [1] * 7 + [7]), ("butterfly", [4, 2, 1, 7])])
+def test_hop_widths_keep_the_wire_average_and_favour_large_sums(algorithm, costs):
+    for bits in (4, 5, 8):
+        widths = compressed.hop_bits(algorithm, RANKS, bits)
+        assert len(widths) == len(costs)
+        assert sum(w * c for w, c in zip(widths, costs)) <= bits * sum(costs)
+    ring = compressed.hop_bits("ring", RANKS, 5)
+    assert ring[-2] > ring[0]  # the ring's last reduce hop carries the sum of 7 vectors, its first of 1

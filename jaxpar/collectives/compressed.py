@@ -17,12 +17,13 @@ per rank fall back to the exact collective, where compression gains nothing.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from jaxpar.collectives.quantize import BLOCK, QUANTIZERS, Packed
+from jaxpar.collectives.quantize import BLOCK, MAX_BITS, MIN_BITS, QUANTIZERS, Packed
 
 SCHEMES = ("exact", "dynamiq", "uniform")
 
@@ -36,12 +37,45 @@ def _check(scheme: str, algorithm: str, size: int):
         raise ValueError(f"the butterfly needs a power-of-two axis; this one has {size} ranks: use algorithm='ring'")
 
 
-class _Codec:
-    """Quantize / dequantize with the hop's key; ``None`` seed = nearest rounding."""
+@functools.lru_cache(maxsize=64)
+def hop_bits(algorithm: str, ranks: int, bits: int) -> tuple[int, ...]:
+    """Bit width of each hop's message: reduce hops 0.. then the all-gather (last entry), with the
+    wire average at most ``bits``.
 
-    def __init__(self, scheme: str, bits: int, seed: int | None):
+    A value quantized as part of a sum of k vectors adds error ~ k 4^-b; a message's weight w
+    sums that over the times each value is quantized at that hop (a butterfly hop j quantizes
+    each value on ranks / 2^(j+1) ranks, as sums of 2^j vectors). Its cost c is the chunks it puts
+    on the wire (the all-gather chunk is forwarded ranks - 1 times). The widths
+    minimise the summed error within the budget (an exact knapsack over integer widths), so later
+    hops, whose partial sums are larger, get more bits."""
+    if algorithm == "ring":
+        weights = [k + 1 for k in range(ranks - 1)] + [ranks]
+        costs = [1] * (ranks - 1) + [ranks - 1]
+    else:
+        hops = ranks.bit_length() - 1
+        weights = [(ranks >> (j + 1)) * 2**j for j in range(hops)] + [ranks]
+        costs = [ranks >> (j + 1) for j in range(hops)] + [ranks - 1]
+    budget = bits * sum(costs)
+    best = {0: (0.0, ())}  # spent -> (least error, widths so far)
+    for w, c in zip(weights, costs):
+        step = {}
+        for spent, (err, widths) in best.items():
+            for b in range(MIN_BITS, MAX_BITS + 1):
+                total = spent + b * c
+                if total <= budget and (total not in step or err + w * 4.0**-b < step[total][0]):
+                    step[total] = (err + w * 4.0**-b, widths + (b,))
+        best = step
+    return min(best.values())[1]
+
+
+class _Codec:
+    """Quantize / dequantize with the hop's width and key; ``None`` seed = nearest rounding.
+    Hop ``len(widths) - 1`` is the all-gather's."""
+
+    def __init__(self, scheme: str, widths: list[int], seed: int | None):
         self.quantize, self.dequantize = QUANTIZERS[scheme]
-        self.bits, self.seed = bits, seed
+        self.widths, self.seed = widths, seed
+        self.gather_hop = len(widths) - 1
 
     def _key(self, hop, chunk):
         if self.seed is None:
@@ -49,11 +83,11 @@ class _Codec:
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), hop), chunk)
 
     def encode(self, values, hop, chunk) -> Packed:
-        return self.quantize(values, self.bits, self._key(hop, chunk))
+        return self.quantize(values, self.widths[hop], self._key(hop, chunk))
 
     def decode(self, packed: Packed, hop, chunk):
         """The receiver names the hop and chunk it got, and so draws the sender's dither."""
-        return self.dequantize(packed, self.bits, self._key(hop, chunk))
+        return self.dequantize(packed, self.widths[hop], self._key(hop, chunk))
 
 
 def _chunks(x: jax.Array, ranks: int) -> tuple[jax.Array, int]:
@@ -81,12 +115,12 @@ def _ring_all_gather(mine, axis_name, ranks, codec, chunk):
     """Every rank gets every rank's chunk, decoded from the owner's one compressed copy."""
     r = jax.lax.axis_index(axis_name)
     to_next = [(i, (i + 1) % ranks) for i in range(ranks)]
-    packed = codec.encode(mine, ranks, r)
-    out = jnp.zeros((ranks, chunk), jnp.float32).at[r].set(codec.decode(packed, ranks, r))
+    packed = codec.encode(mine, codec.gather_hop, r)
+    out = jnp.zeros((ranks, chunk), jnp.float32).at[r].set(codec.decode(packed, codec.gather_hop, r))
     for hop in range(ranks - 1):
         packed = jax.lax.ppermute(packed, axis_name, to_next)
         owner = (r - hop - 1) % ranks
-        out = out.at[owner].set(codec.decode(packed, ranks, owner))
+        out = out.at[owner].set(codec.decode(packed, codec.gather_hop, owner))
     return out
 
 
@@ -111,7 +145,7 @@ def _butterfly_reduce_scatter(chunks, axis_name, ranks, codec):
 def _butterfly_all_gather(mine, axis_name, ranks, codec, chunk):
     """Recursive doubling of the owners' compressed chunks, forwarded untouched."""
     r = jax.lax.axis_index(axis_name)
-    packed = codec.encode(mine, ranks, r)
+    packed = codec.encode(mine, codec.gather_hop, r)
     distance = 1
     while distance < ranks:
         theirs = jax.lax.ppermute(packed, axis_name, [(i, i ^ distance) for i in range(ranks)])
@@ -121,7 +155,7 @@ def _butterfly_all_gather(mine, axis_name, ranks, codec, chunk):
         )
         distance *= 2
     by_owner = jax.tree.map(lambda a: a.reshape((ranks, a.shape[0] // ranks) + a.shape[1:]), packed)
-    return jax.vmap(lambda p, owner: codec.decode(p, ranks, owner))(by_owner, jnp.arange(ranks))
+    return jax.vmap(lambda p, owner: codec.decode(p, codec.gather_hop, owner))(by_owner, jnp.arange(ranks))
 
 
 _REDUCE_SCATTER = {"ring": _ring_reduce_scatter, "butterfly": _butterfly_reduce_scatter}
@@ -137,7 +171,7 @@ def all_reduce(
     _check(scheme, algorithm, ranks)
     if scheme == "exact" or ranks == 1 or x.size < min_size * ranks:
         return jax.lax.psum(x, axis_name)
-    codec = _Codec(scheme, bits, seed)
+    codec = _Codec(scheme, hop_bits(algorithm, ranks, bits) if scheme == "dynamiq" else (bits,) * ranks, seed)
     chunks, chunk = _chunks(x, ranks)
     mine = _REDUCE_SCATTER[algorithm](chunks, axis_name, ranks, codec)
     total = _ALL_GATHER[algorithm](mine, axis_name, ranks, codec, chunk)
@@ -156,7 +190,7 @@ def reduce_scatter(
         raise ValueError(f"leading dimension {x.shape[0]} of a reduce-scatter must divide over {ranks} ranks")
     if scheme == "exact" or ranks == 1 or x.size < min_size * ranks:
         return jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-    codec = _Codec(scheme, bits, seed)
+    codec = _Codec(scheme, hop_bits(algorithm, ranks, bits) if scheme == "dynamiq" else (bits,) * ranks, seed)
     rows = x.reshape(ranks, -1).astype(jnp.float32)
     per_rank = rows.shape[1]
     chunk = math.ceil(per_rank / BLOCK) * BLOCK

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 GROUP = 32  # values per group: one uint32 word per bit plane
 GROUPS_PER_BLOCK = 8
 BLOCK = GROUP * GROUPS_PER_BLOCK  # values per block (256)
-MIN_BITS, MAX_BITS = 2, 8  # per-group widths the water-filling may choose
+MIN_BITS, MAX_BITS = 2, 12  # per-group widths the water-filling may choose
 
 
 class Packed(NamedTuple):
