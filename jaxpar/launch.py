@@ -17,6 +17,7 @@ Where a job's processes come from, in order of precedence:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -217,8 +218,9 @@ class _Attempt:
 
     def __init__(self, command, cfg: LaunchConfig, status_dir: str, restart: int, out):
         self.cfg, self.status_dir, self.procs, self.threads = cfg, status_dir, [], []
-        for name in os.listdir(status_dir):
-            os.unlink(os.path.join(status_dir, name))
+        for rank in range(cfg.processes):  # last attempt's reports; nothing else there is touched
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(status_dir, f"process-{rank}.json"))
         port = cfg.port or _free_port()
         for rank in range(cfg.processes):
             env = dict(os.environ)
@@ -303,6 +305,8 @@ def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=None) -> 
         raise JaxparError("a command is needed after '--', e.g. jaxpar launch --processes 2 -- jaxpar train")
     if cfg.processes < 1:
         raise JaxparError(f"--processes {cfg.processes} must be at least 1")
+    if cfg.devices_per_process is not None and cfg.devices_per_process < 1:
+        raise JaxparError(f"--devices-per-process {cfg.devices_per_process} must be at least 1")
     if cfg.max_restarts < 0:
         raise JaxparError(f"--max-restarts {cfg.max_restarts} must be 0 or more")
     if cfg.hang_timeout_s <= 0 or cfg.startup_timeout_s <= 0:

@@ -191,8 +191,12 @@ def test_launcher_names_a_failing_process_and_restarts(tmp_path, capsys):
     assert code == 0
     assert "process 1 (pid" in out and "exited with status 3; stopping the job" in out
     assert "restart 1 of 1" in out and out.count("resume=auto") == 2
+    keep = tmp_path / "t" / "notes.txt"  # a status directory's other files are never touched
+    keep.parent.mkdir()
+    keep.write_text("mine")
     with pytest.raises(JaxparError, match=r"process 0 \(pid \d+\) exited with status 4; no restarts left"):
-        launch.launch([sys.executable, "-c", "import sys; sys.exit(4)"], launch.LaunchConfig(processes=1, status_dir=str(tmp_path / "t")))
+        launch.launch([sys.executable, "-c", "import sys; sys.exit(4)"], launch.LaunchConfig(processes=1, status_dir=str(keep.parent)))
+    assert keep.read_text() == "mine"
 
 
 @pytest.mark.parametrize(
