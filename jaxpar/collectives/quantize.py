@@ -51,7 +51,7 @@ def wire_bits_per_value(bits: int, scheme: str) -> float:
 
 def _levels(bits):
     """Positive levels of a signed ``bits``-bit code: values run over [-L, L]."""
-    return (2 ** (bits - 1) - 1).astype(jnp.float32) if hasattr(bits, "astype") else float(2 ** (bits - 1) - 1)
+    return 2.0 ** (bits - 1) - 1.0
 
 
 def allocate_bits(codes: jax.Array, bits: int) -> jax.Array:

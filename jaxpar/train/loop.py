@@ -120,7 +120,6 @@ def run_training(
     log = (lambda msg: print(msg, file=progress, flush=True)) if (progress and lead) else (lambda msg: None)
     trainer, strategy, cfg = build_trainer(run, topology)
     layout = trainer.layout
-    devices = layout.mesh.devices.flatten()
     tokens, held_out = data.split_corpus(data.corpus_tokens())
     if run.seq_len >= len(held_out):
         raise JaxparError(f"--seq-len {run.seq_len} is longer than the held-out text ({len(held_out)} tokens); use a shorter one")
@@ -133,7 +132,7 @@ def run_training(
     state, start = _start_state(trainer, run, ckpt, resume, log)
     example = trainer.abstract_batch(run.batch_size, run.seq_len)
     compiled = trainer.jit_step(example).lower(state, example).compile()
-    meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": len(devices), "processes": jax.process_count()}
+    meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": layout.mesh.size, "processes": jax.process_count()}
     batch_of = lambda corpus, step: trainer.put_process_batch(  # noqa: E731
         run.batch_size, lambda a, b: data.local_batch_at(corpus, step, run.batch_size, run.seq_len, run.seed, a, b)
     )
