@@ -23,30 +23,21 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.collectives.quantize import BLOCK, MAX_BITS, MIN_BITS, QUANTIZERS, Packed
+from jaxpar.collectives.quantize import BLOCK, MAX_BITS, MIN_BITS, QUANTIZERS, Packed, check_bits, message_seed
 
 SCHEMES = ("exact", "dynamiq", "uniform")
 
 
-def _check(scheme: str, algorithm: str, size: int):
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
-    if algorithm not in ("ring", "butterfly"):
-        raise ValueError(f"algorithm {algorithm!r} is not 'ring' or 'butterfly'")
-    if algorithm == "butterfly" and size & (size - 1):
-        raise ValueError(f"the butterfly needs a power-of-two axis; this one has {size} ranks: use algorithm='ring'")
-
-
 @functools.lru_cache(maxsize=64)
-def hop_bits(algorithm: str, ranks: int, bits: int) -> tuple[int, ...]:
-    """Bit width of each hop's message: reduce hops 0.. then the all-gather (last entry), with the
-    wire average at most ``bits``.
+def hop_bits(algorithm: str, ranks: int, bits: float) -> tuple[float, ...]:
+    """Average bit width of each hop's messages, in eighths of a bit: reduce hops 0.. then the
+    all-gather (last entry), with the wire average at most ``bits``.
 
-    A value quantized as part of a sum of k vectors adds error ~ k 4^-b; a message's weight w
-    sums that over the times each value is quantized at that hop (a butterfly hop j quantizes
-    each value on ranks / 2^(j+1) ranks, as sums of 2^j vectors). Its cost c is the chunks it puts
-    on the wire (the all-gather chunk is forwarded ranks - 1 times). The widths
-    minimise the summed error within the budget (an exact knapsack over integer widths), so later
+    A value quantized as part of a sum of k vectors adds error ~ k 4^-b; a hop's weight w sums
+    that over the times each value is quantized at that hop (a butterfly hop j quantizes each
+    value on ranks / 2^(j+1) ranks, as sums of 2^j vectors). Its cost c is the chunks it puts on
+    the wire (the all-gather chunk is forwarded ranks - 1 times). Minimising sum w 4^-b within
+    sum c b <= budget gives b = lam + log2(w / c) / 2 (clipped to the allowed widths), so later
     hops, whose partial sums are larger, get more bits."""
     if algorithm == "ring":
         weights = [k + 1 for k in range(ranks - 1)] + [ranks]
@@ -56,38 +47,59 @@ def hop_bits(algorithm: str, ranks: int, bits: int) -> tuple[int, ...]:
         weights = [(ranks >> (j + 1)) * 2**j for j in range(hops)] + [ranks]
         costs = [ranks >> (j + 1) for j in range(hops)] + [ranks - 1]
     budget = bits * sum(costs)
-    best = {0: (0.0, ())}  # spent -> (least error, widths so far)
-    for w, c in zip(weights, costs):
-        step = {}
-        for spent, (err, widths) in best.items():
-            for b in range(MIN_BITS, MAX_BITS + 1):
-                total = spent + b * c
-                if total <= budget and (total not in step or err + w * 4.0**-b < step[total][0]):
-                    step[total] = (err + w * 4.0**-b, widths + (b,))
-        best = step
-    return min(best.values())[1]
+    tilt = [0.5 * math.log2(w / c) for w, c in zip(weights, costs)]
+
+    def widths(lam):
+        return [min(max(lam + t, MIN_BITS), MAX_BITS) for t in tilt]
+
+    lo, hi = MIN_BITS - max(tilt), MAX_BITS - min(tilt)
+    for _ in range(60):  # the budget spent grows with lam
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(c * b for c, b in zip(costs, widths(mid))) <= budget else (lo, mid)
+    return tuple(math.floor(b * 8 + 1e-9) / 8 for b in widths(lo))
 
 
 class _Codec:
-    """Quantize / dequantize with the hop's width and key; ``None`` seed = nearest rounding.
+    """Quantize / dequantize with the hop's width and seed; ``None`` seed = nearest rounding.
     Hop ``len(widths) - 1`` is the all-gather's."""
 
-    def __init__(self, scheme: str, widths: list[int], seed: int | None):
+    def __init__(self, scheme: str, widths: tuple[float, ...], seed):
         self.quantize, self.dequantize = QUANTIZERS[scheme]
         self.widths, self.seed = widths, seed
         self.gather_hop = len(widths) - 1
 
-    def _key(self, hop, chunk):
-        if self.seed is None:
-            return None
-        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), hop), chunk)
+    def _seed(self, hop, chunk):
+        return None if self.seed is None else message_seed(self.seed, hop, chunk)
 
     def encode(self, values, hop, chunk) -> Packed:
-        return self.quantize(values, self.widths[hop], self._key(hop, chunk))
+        return self.quantize(values, self.widths[hop], self._seed(hop, chunk))
 
-    def decode(self, packed: Packed, hop, chunk):
-        """The receiver names the hop and chunk it got, and so draws the sender's dither."""
-        return self.dequantize(packed, self.widths[hop], self._key(hop, chunk))
+    def decode(self, packed: Packed, hop, chunk, local=None):
+        """The receiver names the hop and chunk it got, and so draws the sender's dither; a reduce
+        hop adds its ``local`` values in the same pass."""
+        return self.dequantize(packed, self.widths[hop], self._seed(hop, chunk), local)
+
+
+DEFAULT_BITS = {"dynamiq": 5.125, "uniform": 8}  # dynamiq: 5.5 bits per value on the wire, scales included
+
+
+def _codec(scheme: str, algorithm: str, ranks: int, bits: float | None, seed) -> tuple[_Codec | None, str]:
+    """The codec of a compressed collective (None for an exact one) and the algorithm it runs."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+    if algorithm not in ("auto", "ring", "butterfly"):
+        raise ValueError(f"algorithm {algorithm!r} is not 'auto', 'ring' or 'butterfly'")
+    power_of_two = ranks & (ranks - 1) == 0
+    if algorithm == "butterfly" and not power_of_two:
+        raise ValueError(f"the butterfly needs a power-of-two axis; this one has {ranks} ranks: use algorithm='ring'")
+    if algorithm == "auto":  # the butterfly quantizes each value fewer times (log2 ranks hops, not ranks - 1)
+        algorithm = "butterfly" if power_of_two else "ring"
+    if scheme == "exact":
+        return None, algorithm
+    bits = DEFAULT_BITS[scheme] if bits is None else bits
+    check_bits(bits, scheme)
+    widths = hop_bits(algorithm, ranks, bits) if scheme == "dynamiq" else (bits,) * ranks
+    return _Codec(scheme, widths, seed), algorithm
 
 
 def _chunks(x: jax.Array, ranks: int) -> tuple[jax.Array, int]:
@@ -105,7 +117,7 @@ def _ring_reduce_scatter(chunks, axis_name, ranks, codec):
     packed = codec.encode(chunks[first], 0, first)
     for hop in range(ranks - 1):
         c = (r - hop - 2) % ranks
-        partial = codec.decode(jax.lax.ppermute(packed, axis_name, to_next), hop, c) + chunks[c]
+        partial = codec.decode(jax.lax.ppermute(packed, axis_name, to_next), hop, c, chunks[c])
         if hop < ranks - 2:
             packed = codec.encode(partial, hop + 1, c)
     return partial
@@ -137,7 +149,7 @@ def _butterfly_reduce_scatter(chunks, axis_name, ranks, codec):
         base = (r // (2 * distance)) * 2 * distance
         packed = codec.encode(send.reshape(-1), hop, base + jnp.where(upper, 0, distance))
         received = jax.lax.ppermute(packed, axis_name, [(i, i ^ distance) for i in range(ranks)])
-        segment = keep + codec.decode(received, hop, base + jnp.where(upper, distance, 0)).reshape(keep.shape)
+        segment = codec.decode(received, hop, base + jnp.where(upper, distance, 0), keep.reshape(-1)).reshape(keep.shape)
         distance, hop = distance // 2, hop + 1
     return segment[0]
 
@@ -163,15 +175,18 @@ _ALL_GATHER = {"ring": _ring_all_gather, "butterfly": _butterfly_all_gather}
 
 
 def all_reduce(
-    x: jax.Array, axis_name: str, *, scheme: str = "dynamiq", bits: int = 5, seed: int | None = 0,
-    algorithm: str = "ring", min_size: int = 4096,
+    x: jax.Array, axis_name: str, *, scheme: str = "dynamiq", bits: float | None = None, seed=0,
+    algorithm: str = "auto", min_size: int = 4096,
 ) -> jax.Array:
-    """Sum of ``x`` over ``axis_name``, compressed on the wire; bit-identical on every rank."""
+    """Sum of ``x`` over ``axis_name``, compressed on the wire; bit-identical on every rank.
+
+    ``bits``: average payload bits per value (default 5.125 for dynamiq, 8 for uniform); ``seed``
+    (an int, or a traced integer such as the step) drives the shared dither, None rounds to
+    nearest; ``algorithm``: auto (butterfly on power-of-two axes, else ring), ring or butterfly."""
     ranks = jax.lax.axis_size(axis_name)
-    _check(scheme, algorithm, ranks)
-    if scheme == "exact" or ranks == 1 or x.size < min_size * ranks:
+    codec, algorithm = _codec(scheme, algorithm, ranks, bits, seed)
+    if codec is None or ranks == 1 or x.size < min_size * ranks:
         return jax.lax.psum(x, axis_name)
-    codec = _Codec(scheme, hop_bits(algorithm, ranks, bits) if scheme == "dynamiq" else (bits,) * ranks, seed)
     chunks, chunk = _chunks(x, ranks)
     mine = _REDUCE_SCATTER[algorithm](chunks, axis_name, ranks, codec)
     total = _ALL_GATHER[algorithm](mine, axis_name, ranks, codec, chunk)
@@ -179,18 +194,17 @@ def all_reduce(
 
 
 def reduce_scatter(
-    x: jax.Array, axis_name: str, *, scheme: str = "dynamiq", bits: int = 5, seed: int | None = 0,
-    algorithm: str = "ring", min_size: int = 4096,
+    x: jax.Array, axis_name: str, *, scheme: str = "dynamiq", bits: float | None = None, seed=0,
+    algorithm: str = "auto", min_size: int = 4096,
 ) -> jax.Array:
     """``psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)``, compressed on the wire:
     rank r gets the sum of block r of ``x``'s leading dimension (which the ranks must divide)."""
     ranks = jax.lax.axis_size(axis_name)
-    _check(scheme, algorithm, ranks)
+    codec, algorithm = _codec(scheme, algorithm, ranks, bits, seed)
     if x.shape[0] % ranks:
         raise ValueError(f"leading dimension {x.shape[0]} of a reduce-scatter must divide over {ranks} ranks")
-    if scheme == "exact" or ranks == 1 or x.size < min_size * ranks:
+    if codec is None or ranks == 1 or x.size < min_size * ranks:
         return jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-    codec = _Codec(scheme, hop_bits(algorithm, ranks, bits) if scheme == "dynamiq" else (bits,) * ranks, seed)
     rows = x.reshape(ranks, -1).astype(jnp.float32)
     per_rank = rows.shape[1]
     chunk = math.ceil(per_rank / BLOCK) * BLOCK
