@@ -211,3 +211,22 @@ def reduce_scatter(
     chunks = jnp.pad(rows, ((0, 0), (0, chunk - per_rank)))
     mine = _REDUCE_SCATTER[algorithm](chunks, axis_name, ranks, codec)
     return mine[:per_rank].reshape((x.shape[0] // ranks,) + x.shape[1:]).astype(x.dtype)
+
+
+def two_hop_all_reduce(x: jax.Array, axis_name: str, *, bits: int = 4, seed=0) -> jax.Array:
+    """The two-hop baseline (ZeRO++ qgZ style): every rank quantizes each rank's chunk of its own
+    vector once (uniform, ``bits``), one all-to-all delivers them, each owner sums the ranks - 1
+    decoded chunks and its own, and the owners' quantized sums are all-gathered. Each value is
+    quantized twice, but every rank sends its whole vector in the first hop. For benchmarks."""
+    ranks = jax.lax.axis_size(axis_name)
+    codec, _ = _codec("uniform", "ring", ranks, bits, seed)
+    r = jax.lax.axis_index(axis_name)
+    chunks, chunk = _chunks(x, ranks)
+    sent = jax.vmap(lambda c, dest: codec.encode(c, 0, dest * ranks + r))(chunks, jnp.arange(ranks))
+    got = jax.tree.map(lambda a: jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True), sent)
+    decoded = jax.vmap(lambda p, sender: codec.decode(p, 0, r * ranks + sender))(got, jnp.arange(ranks))
+    mine = jnp.sum(jnp.where((jnp.arange(ranks) == r)[:, None], chunks[r], decoded), axis=0)
+    packed = codec.encode(mine, codec.gather_hop, r)
+    gathered = jax.tree.map(lambda a: jax.lax.all_gather(a, axis_name), packed)
+    total = jax.vmap(lambda p, owner: codec.decode(p, codec.gather_hop, owner))(gathered, jnp.arange(ranks))
+    return total.reshape(-1)[: x.size].reshape(x.shape).astype(x.dtype)
