@@ -109,8 +109,15 @@ def dither(mseed: jax.Array, start, shape) -> jax.Array:
     index = jnp.asarray(start).astype(jnp.uint32) + jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
     if len(shape) > 1:  # [groups, GROUP]: value index = group * GROUP + lane
         index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * np.uint32(shape[-1])
+    return dither_at(mseed, index)
+
+
+def dither_at(mseed: jax.Array, index: jax.Array) -> jax.Array:
+    """The dither of the values at uint32 ``index`` (their position in the message): the one
+    definition ``dither`` and the Pallas kernels (on their own index tiles) share."""
     h = mix32(mix32(index * _GOLDEN + mseed) ^ mseed)
-    return (h >> 8).astype(jnp.float32) * np.float32(2.0**-24) - np.float32(0.5)
+    # h >> 8 < 2^24, so going through int32 is exact; Mosaic (TPU) cannot convert uint32 to float
+    return (h >> 8).astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-24) - np.float32(0.5)
 
 
 # --- per-group encode / decode: the kernels' twins ----------------------------------------------
@@ -233,6 +240,18 @@ def expand(words: jax.Array, width: jax.Array) -> jax.Array:
 
 # --- whole messages ------------------------------------------------------------------------------
 
+# The per-group implementation the four functions below use: the twins, or the Pallas kernels
+# that ``jaxpar.kernels.quantize.use_kernels`` swaps in. Read when a function is traced.
+_group_impl = (encode_groups, decode_groups)
+
+
+def set_group_impl(encode, decode):
+    """Route the whole-message quantizers' per-group work to ``encode`` / ``decode`` (the twins'
+    signatures); returns the previous pair, to restore."""
+    global _group_impl
+    previous, _group_impl = _group_impl, (encode, decode)
+    return previous
+
 
 def quantize_dynamiq(x: jax.Array, bits: float, mseed) -> Packed:
     """float32 [blocks * BLOCK] -> Packed (see the module doc)."""
@@ -240,7 +259,7 @@ def quantize_dynamiq(x: jax.Array, bits: float, mseed) -> Packed:
     gscale = group_scales(scales, codes)
     budget = budget_words(x.size, bits)
     width = allocate_bits(gscale, budget)
-    planes = encode_groups(x.reshape(-1, GROUP), gscale, width, mseed)
+    planes = _group_impl[0](x.reshape(-1, GROUP), gscale, width, mseed)
     return Packed(compact(planes, width, budget), codes, scales)
 
 
@@ -250,7 +269,7 @@ def dequantize_dynamiq(packed: Packed, bits: float, mseed, local=None) -> jax.Ar
     width = allocate_bits(gscale, packed.words.shape[0])
     planes = expand(packed.words, width)
     local = None if local is None else local.reshape(-1, GROUP)
-    return decode_groups(planes, gscale, width, mseed, local=local).reshape(-1)
+    return _group_impl[1](planes, gscale, width, mseed, local=local).reshape(-1)
 
 
 def quantize_uniform(x: jax.Array, bits: float, mseed) -> Packed:
@@ -258,7 +277,7 @@ def quantize_uniform(x: jax.Array, bits: float, mseed) -> Packed:
     scales, _ = block_scales(x)
     gscale = jnp.repeat(scales, GROUPS_PER_BLOCK)
     width = jnp.full(gscale.shape, int(bits), jnp.int32)
-    planes = encode_groups(x.reshape(-1, GROUP), gscale, width, mseed)
+    planes = _group_impl[0](x.reshape(-1, GROUP), gscale, width, mseed)
     return Packed(planes[:, : int(bits)].reshape(-1), jnp.zeros((0,), jnp.uint8), scales)
 
 
@@ -267,7 +286,7 @@ def dequantize_uniform(packed: Packed, bits: float, mseed, local=None) -> jax.Ar
     width = jnp.full(gscale.shape, int(bits), jnp.int32)
     planes = jnp.pad(packed.words.reshape(-1, int(bits)), ((0, 0), (0, MAX_BITS - int(bits))))
     local = None if local is None else local.reshape(-1, GROUP)
-    return decode_groups(planes, gscale, width, mseed, local=local).reshape(-1)
+    return _group_impl[1](planes, gscale, width, mseed, local=local).reshape(-1)
 
 
 QUANTIZERS = {"dynamiq": (quantize_dynamiq, dequantize_dynamiq), "uniform": (quantize_uniform, dequantize_uniform)}
