@@ -1,0 +1,110 @@
+"""Pipeline schedules side by side on 8 simulated CPU devices: bubble, memory, compile and step time.
+
+    python benchmarks/pipeline.py [--stages 4] [--microbatches 8] [--layers 8] [--repeats 3]
+
+Model: the repo's tiny Llama with ``--layers`` layers, one gradient computation per step
+(``pipeline_value_and_grad`` under an all-manual layout ``stage=S,data=8/S``, as the training step
+would run it), batch of 4 sequences of 64 tokens per micro-batch. Columns:
+
+- ticks, bubble: from the schedule table (F = B = one tick); ``bubble@lat2``: the same schedule
+  when a send takes a whole tick (``latency=2``), where eager 1F1B pays off;
+- peak in flight on stage 0, and the activation buffer slots the executor allocates;
+- temp MiB: ``compiled.memory_analysis().temp_size_in_bytes`` per device;
+- compile s, step ms (median of ``--repeats`` runs after a warm-up).
+
+On simulated CPU devices all "devices" share the host's cores, so the step time measures the total
+work (each backward recomputes its forward), not the critical path: the bubble shows in step time
+only on real, parallel devices. The last row is the same model without a pipeline, for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import jax
+    from flax import nnx
+
+    from jaxpar.models import llama
+    from jaxpar.parallel import build_layout, parse_strategy
+    from jaxpar.parallel import pipeline as pl
+    from jaxpar.parallel import schedules as sc
+    from jaxpar.train.step import abstract_model
+
+    S, m = args.stages, args.microbatches
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], layers=args.layers)
+    graphdef, abstract = abstract_model(lambda r: llama.Llama(cfg, rngs=r))
+    with nnx.use_eager_sharding(False):
+        params = nnx.to_pure_dict(nnx.state(llama.Llama(cfg, rngs=nnx.Rngs(0))))
+    model = pl.llama_pieces(cfg, abstract)
+    stacked, edge = model.split(params)
+    layout = build_layout(parse_strategy(f"stage={S},data={8 // S}", 8))
+    tokens = jax.random.randint(jax.random.key(0), (m, 4, 65), 0, cfg.vocab_size)
+
+    def timed(fn, *xs):
+        start = time.perf_counter()
+        compiled = jax.jit(fn).lower(*xs).compile()
+        compile_s = time.perf_counter() - start
+        jax.block_until_ready(compiled(*xs))
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*xs))
+            times.append(time.perf_counter() - start)
+        memory = compiled.memory_analysis()
+        return compile_s, statistics.median(times) * 1e3, memory.temp_size_in_bytes / 2**20
+
+    candidates = [("gpipe", 1), ("1f1b", 1), ("eager-1f1b", 1), ("interleaved-1f1b", 2)]
+    header = f"{'schedule':<20} {'ticks':>5} {'bubble':>7} {'bubble@lat2':>11} {'in flight':>9} {'slots':>5} " \
+             f"{'temp MiB':>8} {'compile s':>9} {'step ms':>8}"
+    print(f"tiny Llama, {cfg.layers} layers, stage={S} x data={8 // S}, {m} micro-batches of 4 x 64 tokens")
+    print(header)
+    print("-" * len(header))
+    for name, chunks in candidates:
+        try:
+            schedule = sc.make(name, S, m, chunks)
+            pl.layers_per_chunk(cfg.layers, schedule)
+        except sc.ScheduleError as error:
+            print(f"{name:<20} skipped: {error}")
+            continue
+        slow = sc.make(name, S, m, chunks, latency=2)
+        pieces = model.pieces
+
+        def grads(s, e, t, schedule=schedule):
+            return pl.pipeline_value_and_grad(pieces.stage_fn, s, t, layout.mesh, schedule, first_fn=pieces.first_fn,
+                                              last_fn=pieces.last_fn, edge_params=e, layout=layout, names=model.names)
+
+        compile_s, step_ms, temp = timed(grads, stacked, edge, tokens)
+        label = name if chunks == 1 else f"{name} v={chunks}"
+        print(f"{label:<20} {schedule.ticks:>5} {schedule.bubble_fraction():>7.3f} {slow.bubble_fraction():>11.3f} "
+              f"{schedule.peak_in_flight()[0]:>9} {pl.lower(schedule).act_slots:>5} {temp:>8.2f} {compile_s:>9.1f} "
+              f"{step_ms:>8.1f}")
+
+    def reference(p, t):
+        def loss(p):
+            net = nnx.merge(graphdef, p)
+            return sum(llama.loss_fn(net, mb) for mb in t) / len(t)
+
+        return jax.value_and_grad(loss)(p)
+
+    with jax.default_device(jax.devices()[0]):
+        compile_s, step_ms, temp = timed(reference, params, tokens)
+    print(f"{'no pipeline, 1 dev':<20} {'':>5} {'':>7} {'':>11} {'':>9} {'':>5} {temp:>8.2f} {compile_s:>9.1f} {step_ms:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,663 @@
+"""SPMD pipeline parallelism over the ``stage`` mesh axis: one jitted program runs any schedule.
+
+The model is three functions and two sets of weights:
+
+- ``first_fn(edge, batch) -> x`` (e.g. the embedding) runs on virtual stage 0;
+- ``stage_fn(chunk, x) -> x`` runs one chunk of consecutive layers; ``chunk`` holds the chunk's
+  slice of the weights stacked on ``layers`` (leading dim = layers per chunk);
+- ``last_fn(edge, x, batch) -> loss`` (head and loss) runs on the last virtual stage.
+
+``edge`` weights (embedding, head: also tied ones) are kept whole on every stage and their
+gradient is summed over ``stage`` at the end (only the first and the last stage add to it).
+Stacked weights are split over ``stage``: device s holds chunks j = 0..v-1, chunk j being virtual
+stage j*S + s, i.e. layers [(j*S+s)*k, (j*S+s+1)*k) with k = layers / (S*v).
+
+Executor (``run_schedule``, per device inside ``shard_map``): a ``lax.scan`` over the schedule's
+ticks. Each tick every device looks up its action in the table (indexed by
+``axis_index('stage')``) and runs it through ``lax.switch``; then one ``ppermute`` moves this tick's
+forward outputs to the next device and one moves input gradients to the previous device
+(circularly when v > 1), so each arrives for the next tick (the tick model of ``schedules.py``).
+
+Memory: a device keeps the *input* of each micro-batch chunk in flight (from arrival until its
+backward) and the gradients that arrived before their backward runs, in buffers whose slots are
+assigned at trace time from the table (interval colouring, so the buffer size is the peak in-flight
+count, not m). The backward recomputes the chunk's forward from the stored input (``jax.vjp`` at
+it): one more forward per backward, and no residuals kept between ticks.
+
+Other mesh axes inside a stage, two ways (both checked on jax 0.10):
+
+- ``pipeline_value_and_grad(..., mesh=...)``: ``shard_map`` manual only over ``stage``
+  (``axis_names={'stage'}``); the other axes stay Auto, so ``stage_fn`` is ordinary global-view code
+  and XLA partitions it by the shardings of the weights and the batch (sharding constraints inside
+  must use ``jax.sharding.get_abstract_mesh()``, not the concrete mesh);
+- ``pipeline_value_and_grad(..., layout=...)``: manual over every axis, as ``Trainer`` runs its step:
+  the model's layout-aware calls (``rules.gather_params``, ``reduce_partial``...) place the FSDP and
+  TP collectives, and gradients are summed over the batch axes here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from flax import nnx
+
+from jaxpar import ops
+from jaxpar.errors import LayoutError
+from jaxpar.models import llama
+from jaxpar.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
+from jaxpar.rules import (Layout, constrain, gather_params, gathered, layer_checkpoint, logical_names, regather,
+                          use_layout, varying_axes)
+
+STAGE_AXIS = "stage"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineModel:
+    """The three pieces of a pipelined model (see the module docstring)."""
+
+    first_fn: Callable
+    stage_fn: Callable
+    last_fn: Callable
+
+
+# --- the schedule lowered to per-tick instructions -------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Per tick and device: the action's kind (IDLE/FORWARD/BACKWARD), whether its chunk is the
+    first / last virtual stage (embedding / head and loss run there), its chunk and micro-batch,
+    the buffer slots it reads, and the slots this tick's arrivals go to. Slot ``act_slots`` /
+    ``cot_slots`` is a scratch slot taking the writes nobody reads (nothing arrives)."""
+
+    kind: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    chunk: np.ndarray
+    microbatch: np.ndarray
+    act_slot: np.ndarray  # stored stage input the action reads (and PipeDream's stashed weights)
+    cot_slot: np.ndarray  # stored incoming gradient a backward reads
+    recv_act: np.ndarray  # slot for the activation arriving from the previous device after this tick
+    recv_cot: np.ndarray  # slot for the gradient arriving from the next device after this tick
+    act_slots: int
+    cot_slots: int
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The (ticks, stages) tables the executor scans over."""
+        names = ("kind", "first", "last", "chunk", "microbatch", "act_slot", "cot_slot", "recv_act", "recv_cot")
+        return {name: getattr(self, name).astype(np.int32) for name in names}
+
+
+def _colour(intervals: dict[Any, tuple[int, int]]) -> tuple[dict[Any, int], int]:
+    """Slots for half-open [start, end) intervals (times: ends of ticks) so that no two live
+    intervals share one; as few slots as the peak overlap."""
+    slots, free, live, count = {}, [], [], 0
+    for key, (start, end) in sorted(intervals.items(), key=lambda kv: kv[1]):
+        while live and live[0][0] <= start:
+            heapq.heappush(free, heapq.heappop(live)[1])
+        slot = heapq.heappop(free) if free else count
+        count = max(count, slot + 1)
+        slots[key] = slot
+        heapq.heappush(live, (end, slot))
+    return slots, count
+
+
+def lower(schedule: Schedule) -> Program:
+    """Turn a validated schedule into the executor's instructions and buffer sizes."""
+    schedule.validate()
+    S, v, V = schedule.stages, schedule.chunks, schedule.virtual_stages
+    tf, tb = schedule.times()
+    per_device_acts: list[dict] = [{} for _ in range(S)]
+    per_device_cots: list[dict] = [{} for _ in range(S)]
+    for i in range(schedule.microbatches):
+        for k in range(V):
+            s = k % S
+            if k > 0:  # kept from its arrival (end of the sender's tick) until the backward has run
+                per_device_acts[s][(i, k)] = (tf[i, k - 1], tb[i, k])
+            elif schedule.asynchronous:  # PipeDream stashes stage 0's weights per micro-batch too
+                per_device_acts[s][(i, k)] = (tf[i, k], tb[i, k])
+            if k < V - 1:
+                per_device_cots[s][(i, k)] = (tb[i, k + 1], tb[i, k])
+    act = [_colour(d) for d in per_device_acts]
+    cot = [_colour(d) for d in per_device_cots]
+    act_slots = max(1, max(n for _, n in act))
+    cot_slots = max(1, max(n for _, n in cot))
+
+    T = schedule.ticks
+    shape = (T, S)
+    chunk, mb = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    k_of = schedule.chunk * S + np.arange(S)[None, :]  # virtual stage of each action
+    busy = schedule.kind != IDLE
+    first, last = busy & (k_of == 0), busy & (k_of == V - 1)
+    act_slot, cot_slot = np.full(shape, act_slots, np.int32), np.full(shape, cot_slots, np.int32)
+    recv_act, recv_cot = np.full(shape, act_slots, np.int32), np.full(shape, cot_slots, np.int32)
+    for t, s in zip(*np.nonzero(busy)):
+        kind, i, j = int(schedule.kind[t, s]), int(schedule.microbatch[t, s]), int(schedule.chunk[t, s])
+        k = j * S + s
+        chunk[t, s], mb[t, s] = j, i
+        if (i, k) in act[s][0]:
+            act_slot[t, s] = act[s][0][(i, k)]
+        if kind == BACKWARD and k < V - 1:
+            cot_slot[t, s] = cot[s][0][(i, k)]
+        if kind == FORWARD and k < V - 1:  # the output goes to the device of virtual stage k+1
+            recv_act[t, (k + 1) % S] = act[(k + 1) % S][0][(i, k + 1)]
+        if kind == BACKWARD and k > 0:
+            recv_cot[t, (k - 1) % S] = cot[(k - 1) % S][0][(i, k - 1)]
+    return Program(schedule.kind.astype(np.int32), first, last, chunk, mb, act_slot, cot_slot, recv_act, recv_cot,
+                   act_slots, cot_slots)
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+
+def layers_per_chunk(num_layers: int, schedule: Schedule) -> int:
+    """Layers in one chunk; raises unless the stacked layers split evenly over the virtual stages."""
+    S, v = schedule.stages, schedule.chunks
+    if num_layers % (S * v):
+        fits = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        what = f"{S} stages" if v == 1 else f"{S} stages x {v} chunks = {S * v} virtual stages"
+        raise ScheduleError(
+            f"{num_layers} layers cannot be split over {what}: each {'stage' if v == 1 else 'virtual stage'} holds "
+            f"the same number of consecutive layers. Use a {'stage count' if v == 1 else 'stages x chunks'} that "
+            f"divides {num_layers} ({', '.join(map(str, fits))})"
+        )
+    return num_layers // (S * v)
+
+
+def _num_layers(stage_params) -> int:
+    sizes = {x.shape[0] for x in jax.tree.leaves(stage_params)}
+    if len(sizes) != 1:
+        raise LayoutError(f"stacked weights disagree on the number of layers (leading dims {sorted(sizes)})")
+    return sizes.pop()
+
+
+# --- layer order <-> stage order ---------------------------------------------------------------
+
+
+def _regroup(stacked, outer: int, inner: int, k: int):
+    """Layers grouped (outer, inner, k) -> grouped (inner, outer, k), flat again."""
+    def one(x):
+        x = x.reshape(outer, inner, k, *x.shape[1:])
+        return jnp.swapaxes(x, 0, 1).reshape(outer * inner * k, *x.shape[3:])
+
+    return jax.tree.map(one, stacked)
+
+
+def to_stage_order(stage_params, schedule: Schedule):
+    """Stacked weights (layers first, in layer order) -> the order ``shard_map`` splits over
+    ``stage``: device s's chunks j = 0..v-1 next to each other. A reshape when v = 1."""
+    k = layers_per_chunk(_num_layers(stage_params), schedule)
+    return _regroup(stage_params, schedule.chunks, schedule.stages, k)
+
+
+def to_layer_order(stage_ordered, schedule: Schedule):
+    """Inverse of ``to_stage_order`` (for gradients and updated weights)."""
+    k = layers_per_chunk(_num_layers(stage_ordered), schedule)
+    return _regroup(stage_ordered, schedule.stages, schedule.chunks, k)
+
+
+# --- the executor, per device ------------------------------------------------------------------
+
+
+def _vary(x, axes):
+    """``x`` cast to vary over ``axes`` too (shard_map's types must agree across switch branches
+    and scan steps)."""
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _unify(fns, *operands):
+    """Wrap ``fns`` (branches of one switch) so that each output leaf varies over the union of the
+    axes it varies over in any branch."""
+    shapes = [jax.eval_shape(f, *operands) for f in fns]
+    # an abstract value's type (jax.typeof) cannot be read under a partly manual shard_map
+    axes = jax.tree.map(lambda *xs: set().union(*(x.manual_axis_type.varying for x in xs)), *shapes)
+
+    def wrap(f):
+        return lambda *args: jax.tree.map(_vary, f(*args), axes)
+
+    return [wrap(f) for f in fns], axes
+
+
+def _cond(pred, true_fn, false_fn, *operands):
+    """``lax.cond`` whose branches may differ in the axes their outputs vary over."""
+    (on_true, on_false), _ = _unify([true_fn, false_fn], *operands)
+    return jax.lax.cond(pred, on_true, on_false, *operands)
+
+
+def run_schedule(program: Program, model: PipelineModel, stage_params, edge_params, batch, *,
+                 loss_scale=1.0, learning_rate=None, axis: str = STAGE_AXIS):
+    """Run a lowered schedule on this device (call inside ``shard_map`` with ``axis`` manual).
+
+    ``stage_params``: this device's chunks, leaves shaped (v, k, ...); ``edge_params``: whole;
+    ``batch``: every micro-batch, leaves shaped (m, ...). Weights the caller wants unreduced
+    gradients of must already vary over the axes it sums over itself (as in ``Trainer``).
+
+    Synchronous (``learning_rate`` None): returns (sum of the micro-batch losses times
+    ``loss_scale``, gradients of that sum shaped like ``stage_params``, gradients w.r.t.
+    ``edge_params`` from this device only). Loss and edge gradients are non-zero only on the
+    devices of the first / last virtual stage: the caller sums them over ``axis``.
+
+    Asynchronous (PipeDream, SGD with ``learning_rate``): every backward updates this device's
+    weights at once, computed at the weights its forward used (stashed per micro-batch). Returns
+    (loss per micro-batch (m,) [last stage only], updated ``stage_params``, this device's updated
+    copy of ``edge_params``, the update count (weight version) each micro-batch's forward used)."""
+    asynchronous = learning_rate is not None
+    stages = program.kind.shape[1]
+    num_microbatches = jax.tree.leaves(batch)[0].shape[0]
+    here = jax.lax.axis_index(axis)
+    chunks = jax.tree.leaves(stage_params)[0].shape[0]
+
+    def flowing(edge, mb, chunk):
+        x = model.first_fn(edge, mb)
+        return x, model.stage_fn(chunk, x)
+
+    mb0, chunk0 = jax.tree.map(lambda b: b[0], batch), jax.tree.map(lambda p: p[0], stage_params)
+    x0, y0 = jax.eval_shape(flowing, edge_params, mb0, chunk0)
+    if (y0.shape, y0.dtype) != (x0.shape, x0.dtype):
+        raise LayoutError(
+            f"stage_fn must keep the shape of what flows between stages: first_fn gives {x0.dtype}{list(x0.shape)}, "
+            f"stage_fn turns it into {y0.dtype}{list(y0.shape)}"
+        )
+    loss0 = jax.eval_shape(lambda edge, mb, chunk: model.last_fn(edge, flowing(edge, mb, chunk)[1], mb),
+                           edge_params, mb0, chunk0)
+    if loss0.shape != ():
+        raise LayoutError(f"last_fn must return the micro-batch's loss as a scalar, not shape {loss0.shape}")
+    # what flows between stages varies over the stage axis and whatever the model makes it vary over
+    flows = {axis} | x0.manual_axis_type.varying | y0.manual_axis_type.varying
+    ring = chunks > 1  # interleaved: the last device's outputs go round to device 0 for its next chunk
+    forward_pairs = [(i, i + 1) for i in range(stages - 1)] + ([(stages - 1, 0)] if ring else [])
+    backward_pairs = [(i + 1, i) for i in range(stages - 1)] + ([(0, stages - 1)] if ring else [])
+
+    def at(buf, slot):
+        return jax.lax.dynamic_index_in_dim(buf, slot, keepdims=False)
+
+    def put(buf, slot, value):
+        return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), slot, 0)
+
+    def one_action(p, edge, x, mb_batch, first, last):
+        """(output, loss) of a chunk: the embedding before it on the first virtual stage, head and
+        loss after it on the last (zero loss elsewhere)."""
+        h = _cond(first, lambda e, x: model.first_fn(e, mb_batch), lambda e, x: x, edge, x)
+        y = model.stage_fn(p, h)
+        loss = _cond(last, lambda e, y: model.last_fn(e, y, mb_batch).astype(jnp.float32),
+                     lambda e, y: jnp.zeros((), jnp.float32), edge, y)
+        return y, loss
+
+    def weights(carry, row, kind):
+        """(stacked, edge) weights an action uses; PipeDream's forward stashes them for its backward."""
+        if not asynchronous:
+            return stage_params, edge_params
+        if kind == FORWARD:
+            slot = row["act_slot"]
+            carry["stash"] = jax.tree.map(lambda b, w: put(b, slot, w), carry["stash"], carry["params"])
+            carry["stash_edge"] = jax.tree.map(lambda b, w: put(b, slot, w), carry["stash_edge"], carry["edge"])
+            carry["versions"] = put(carry["versions"], row["microbatch"], carry["updates"])
+            return carry["params"], carry["edge"]
+        return (jax.tree.map(lambda b: at(b, row["act_slot"]), carry["stash"]),
+                jax.tree.map(lambda b: at(b, row["act_slot"]), carry["stash_edge"]))
+
+    def make_branch(kind):
+        def branch(carry, row):
+            carry = dict(carry)
+            nothing = jnp.zeros(x0.shape, x0.dtype)
+            if kind == IDLE:
+                return carry, nothing, nothing
+            j, i, first, last = row["chunk"], row["microbatch"], row["first"] > 0, row["last"] > 0
+            mb_batch = jax.tree.map(lambda b: at(b, i), batch)
+            x = at(carry["acts"], row["act_slot"])
+            params, edge = weights(carry, row, kind)
+            p = jax.tree.map(lambda w: at(w, j), params)
+            if kind == FORWARD:
+                y, loss = one_action(p, edge, x, mb_batch, first, last)
+                if asynchronous:
+                    carry["losses"] = carry["losses"].at[i].add(loss)
+                else:
+                    carry["loss"] = carry["loss"] + loss * loss_scale
+                return carry, y, nothing
+            # backward: recompute the forward from the stored input and pull the gradient through it
+            (y, loss), pull = jax.vjp(lambda p, e, x: one_action(p, e, x, mb_batch, first, last), p, edge, x)
+            dy = jnp.where(last, jnp.zeros_like(y), _vary(at(carry["cots"], row["cot_slot"]), varying_axes(y)))
+            dloss = jnp.where(last, jnp.asarray(loss_scale, loss.dtype), jnp.zeros_like(loss))
+            dp, dedge, dx = pull((dy, dloss))
+            ends = first | last  # only there do the edge weights get a gradient
+            if asynchronous:
+                step = lambda w, g: w - learning_rate * g.astype(w.dtype)  # noqa: E731
+                carry["params"] = jax.tree.map(lambda w, g: w.at[j].set(step(w[j], g)), carry["params"], dp)
+                carry["edge"] = _cond(ends, lambda w, g: jax.tree.map(step, w, g), lambda w, g: w, carry["edge"], dedge)
+                carry["updates"] = carry["updates"] + 1
+            else:
+                carry["grads"] = jax.tree.map(lambda a, g: a.at[j].add(g.astype(a.dtype)), carry["grads"], dp)
+                carry["edge_grads"] = _cond(ends, lambda a, g: jax.tree.map(lambda a, g: a + g.astype(a.dtype), a, g),
+                                            lambda a, g: a, carry["edge_grads"], dedge)
+            return carry, nothing, dx
+
+        return branch
+
+    carry = {
+        "acts": jnp.zeros((program.act_slots + 1, *x0.shape), x0.dtype),
+        "cots": jnp.zeros((program.cot_slots + 1, *x0.shape), x0.dtype),
+    }
+    if asynchronous:
+        slots = program.act_slots + 1
+        carry.update(
+            params=stage_params, edge=edge_params,
+            stash=jax.tree.map(lambda w: jnp.zeros((slots, *w.shape), w.dtype), stage_params),
+            stash_edge=jax.tree.map(lambda w: jnp.zeros((slots, *w.shape), w.dtype), edge_params),
+            updates=jnp.zeros((), jnp.int32), versions=jnp.zeros((num_microbatches,), jnp.int32),
+            losses=jnp.zeros((num_microbatches,), jnp.float32),
+        )
+    else:
+        accumulator = lambda w: jnp.zeros(w.shape, jnp.float32)  # noqa: E731
+        carry.update(grads=jax.tree.map(accumulator, stage_params), edge_grads=jax.tree.map(accumulator, edge_params),
+                     loss=jnp.zeros((), jnp.float32))
+    carry = jax.tree.map(lambda c: _vary(c, {axis}), carry)
+    carry["acts"], carry["cots"] = _vary(carry["acts"], flows), _vary(carry["cots"], flows)
+
+    table = {name: jnp.asarray(col) for name, col in program.columns().items()}
+    example_row = {name: at(col[0], here) for name, col in table.items()}
+    raw_branches = [make_branch(kind) for kind in (IDLE, FORWARD, BACKWARD)]
+    # shard_map's types: all switch branches must return the same types, and a tick must return
+    # the carry it was given. Widen the carry until a tick no longer widens it.
+    while True:
+        branches, (carry_axes, _, _) = _unify(raw_branches, carry, example_row)
+        widened = jax.tree.map(lambda c, a: _vary(c, varying_axes(c) | a), carry, carry_axes)
+        if all(varying_axes(a) == varying_axes(b) for a, b in zip(jax.tree.leaves(widened), jax.tree.leaves(carry))):
+            break
+        carry = widened
+
+    def tick(carry, rows):
+        row = {name: at(col, here) for name, col in rows.items()}
+        carry, send_fwd, send_bwd = jax.lax.switch(row["kind"], branches, carry, row)
+        arrived = jax.lax.ppermute(send_fwd, axis, forward_pairs)
+        returned = jax.lax.ppermute(send_bwd, axis, backward_pairs)
+        carry["acts"] = put(carry["acts"], row["recv_act"], _vary(arrived, varying_axes(carry["acts"])))
+        carry["cots"] = put(carry["cots"], row["recv_cot"], _vary(returned, varying_axes(carry["cots"])))
+        return carry, None
+
+    carry, _ = jax.lax.scan(tick, carry, table)
+    if asynchronous:
+        return carry["losses"], carry["params"], carry["edge"], carry["versions"]
+    return carry["loss"], carry["grads"], carry["edge_grads"]
+
+
+# --- whole-mesh entry points -------------------------------------------------------------------
+
+
+def _microbatched(batch, m):
+    sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
+    if sizes != {m}:
+        raise ScheduleError(
+            f"the batch must be split into the schedule's {m} micro-batches along dim 0 (leading dims {sorted(sizes)}); "
+            f"reshape it to (m, batch / m, ...)"
+        )
+
+
+def _check_mesh(mesh, schedule: Schedule):
+    if STAGE_AXIS not in mesh.axis_names or mesh.shape[STAGE_AXIS] != schedule.stages:
+        have = dict(mesh.shape).get(STAGE_AXIS)
+        raise ScheduleError(
+            f"schedule {schedule.name!r} is for {schedule.stages} stages but the mesh has "
+            f"{'no stage axis' if have is None else f'stage={have}'}; give the mesh stage={schedule.stages}"
+        )
+
+
+def _stage_spec(layout: Layout, names) -> PartitionSpec:
+    """Stored spec of a stacked weight with its ``layers`` dim (dim 0) split over ``stage``."""
+    if not names or names[0] != "layers":
+        raise LayoutError(f"a pipelined weight must be stacked on a leading 'layers' dim; its logical names are {names}")
+    inner = layout.spec((None, *names[1:]), "param")
+    return PartitionSpec(STAGE_AXIS, *tuple(inner)[1:])
+
+
+def _chunked(stage_ordered, chunks: int):
+    """This device's stacked weights (v*k, ...) as chunks (v, k, ...)."""
+    return jax.tree.map(lambda x: x.reshape(chunks, x.shape[0] // chunks, *x.shape[1:]), stage_ordered)
+
+
+def _unchunked(chunked):
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), chunked)
+
+
+def pipeline_value_and_grad(stage_fn, stage_params, batch, mesh, schedule: Schedule, *, first_fn, last_fn,
+                            edge_params=None, layout: Layout | None = None, names=None):
+    """Mean loss over the micro-batches and its gradients, computed by ``schedule`` on ``mesh``.
+
+    ``stage_params``: weights stacked on layers (dim 0, layer order); ``batch``: leaves shaped
+    (m, ...), micro-batch i being ``batch[i]``; ``edge_params``: weights of ``first_fn`` and
+    ``last_fn``. Returns (loss, (stage gradients in layer order, edge gradients)). Call under
+    ``jax.jit``.
+
+    Without ``layout``, only ``stage`` is manual and ``stage_fn`` is global-view code on the other
+    axes. With ``layout`` (``mesh`` must be ``layout.mesh``; ``names`` = (logical names of the stage
+    weights, of the edge weights)), every axis is manual as in ``Trainer``: weights enter as stored
+    (stacked ones split over ``stage`` on ``layers``), the batch is split over the layout's batch
+    axes, the model's layout-aware calls place the collectives, and gradients are summed over the
+    batch axes that the weight gathers have not already reduced."""
+    if schedule.asynchronous:
+        raise ScheduleError("pipedream updates weights as it goes; run it with pipedream_train, not pipeline_value_and_grad")
+    edge_params = {} if edge_params is None else edge_params
+    _microbatched(batch, schedule.microbatches)
+    if layout is not None and mesh is not layout.mesh:
+        raise LayoutError("pipeline_value_and_grad: pass the layout's own mesh (layout.mesh) as mesh")
+    _check_mesh(mesh, schedule)
+    ordered = to_stage_order(stage_params, schedule)
+    model = PipelineModel(first_fn, stage_fn, last_fn)
+    if layout is None:
+        fn = _stage_manual_program(mesh, lower(schedule), model, schedule, ordered, edge_params, batch)
+    else:
+        fn = _all_manual_program(layout, names, lower(schedule), model, schedule)
+    loss, grads, edge_grads = fn(ordered, edge_params, batch)
+    return loss, (to_layer_order(grads, schedule), edge_grads)
+
+
+def stage_grads(program: Program, model: PipelineModel, stacked, edge, batch, *, chunks: int, loss_scale,
+                axis: str = STAGE_AXIS):
+    """Per device, inside a ``shard_map`` where ``axis`` is manual (``Trainer``'s step calls this in
+    place of its micro-batch loop): (loss summed over the stages, gradients of this device's
+    stacked weights laid out like its stored shard (v*k, ...), edge gradients summed over the
+    stages). ``stacked``: this device's shard in stage order (``to_stage_order``)."""
+    edge = jax.tree.map(lambda e: _vary(e, {axis}), edge)  # local gradients: summed here, once
+    loss, grads, edge_grads = run_schedule(program, model, _chunked(stacked, chunks), edge, batch, loss_scale=loss_scale,
+                                           axis=axis)
+    return jax.lax.psum(loss, axis), _unchunked(grads), jax.lax.psum(edge_grads, axis)
+
+
+def _stage_manual_program(mesh, program, model, schedule, ordered, edge_params, batch):
+    """``pipeline_value_and_grad``'s shard_map when only ``stage`` is manual."""
+
+    def body(params, edge, batch):
+        return stage_grads(program, model, params, edge, batch, chunks=schedule.chunks,
+                           loss_scale=1.0 / schedule.microbatches)
+
+    stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), ordered)
+    edge_spec = jax.tree.map(lambda _: PartitionSpec(), edge_params)
+    batch_spec = jax.tree.map(lambda _: PartitionSpec(), batch)
+    return jax.shard_map(body, mesh=mesh, in_specs=(stage_spec, edge_spec, batch_spec),
+                         out_specs=(PartitionSpec(), stage_spec, edge_spec), axis_names={STAGE_AXIS})
+
+
+def _all_manual_program(layout, names, program, model, schedule):
+    """``pipeline_value_and_grad``'s shard_map when every axis is manual (``layout=``)."""
+    if names is None:
+        raise LayoutError("pipeline_value_and_grad(layout=...) needs names=(stage weight names, edge weight names)")
+    stage_names, edge_names = names
+    is_names = lambda x: isinstance(x, tuple)  # noqa: E731
+    stage_spec = jax.tree.map(lambda n: _stage_spec(layout, n), stage_names, is_leaf=is_names)
+    edge_spec = jax.tree.map(lambda n: layout.spec(n, "param"), edge_names, is_leaf=is_names)
+    batch_axes = layout.batch_axes
+    shards = int(np.prod([layout.mesh.shape[a] for a in batch_axes]))
+
+    def unreduced(names_):
+        """Batch axes a weight's gradient still has to be summed over: all but those its gather's
+        backward reduce-scattered over (stored sharded, computed whole)."""
+        gathered = {a for n in names_ if n != "layers" for a in layout.axes_of(n, "param")
+                    if a not in layout.axes_of(n, "compute")}
+        return tuple(a for a in batch_axes if a not in gathered)
+
+    def sum_over_batch(grads, names_):
+        return jax.tree.map(lambda g, n: jax.lax.psum(g, unreduced(n)) if unreduced(n) else g, grads, names_,
+                            is_leaf=is_names)
+
+    def body(params, edge, batch):
+        # weights vary over the batch axes: autodiff then gives each device its unreduced gradient
+        # and the sums below are the only reductions
+        params = jax.tree.map(lambda p: _vary(p, set(batch_axes)), params)
+        edge = jax.tree.map(lambda e: _vary(e, set(batch_axes)), edge)
+        with use_layout(layout, manual=True):
+            loss, grads, edge_grads = stage_grads(program, model, params, edge, batch, chunks=schedule.chunks,
+                                                  loss_scale=1.0 / (schedule.microbatches * shards))
+        loss = jax.lax.psum(loss, batch_axes) if batch_axes else loss
+        return loss, sum_over_batch(grads, stage_names), sum_over_batch(edge_grads, edge_names)
+
+    def fn(params, edge, batch):
+        batch_spec = jax.tree.map(lambda _: PartitionSpec(None, batch_axes or None), batch)
+        return jax.shard_map(body, mesh=layout.mesh, in_specs=(stage_spec, edge_spec, batch_spec),
+                             out_specs=(PartitionSpec(), stage_spec, edge_spec))(params, edge, batch)
+
+    return fn
+
+
+def pipedream_train(stage_fn, stage_params, batch, mesh, schedule: Schedule, *, first_fn, last_fn, edge_params,
+                    learning_rate: float):
+    """Asynchronous PipeDream with weight stashing and plain SGD over a stream of micro-batches
+    (``batch`` leaves (m, ...)), on a mesh whose only manual axis is ``stage`` (others Auto).
+
+    Every stage updates its own weights after each backward; the first and the last stage each
+    keep and update their own copy of ``edge_params`` (first_fn's and last_fn's gradients).
+    Returns (loss of each micro-batch (m,), updated stacked weights in layer order, edge copies
+    stacked per stage (S, ...), weight version each micro-batch's forward used per stage (S, m))."""
+    if not schedule.asynchronous:
+        raise ScheduleError(f"pipedream_train runs the asynchronous pipedream schedule, not {schedule.name!r}")
+    if schedule.stages < 2:
+        raise ScheduleError("pipedream needs at least 2 stages: the first and the last stage own separate edge weights")
+    m = schedule.microbatches
+    _microbatched(batch, m)
+    _check_mesh(mesh, schedule)
+    program = lower(schedule)
+    layers_per_chunk(_num_layers(stage_params), schedule)
+    model = PipelineModel(first_fn, stage_fn, last_fn)
+
+    def body(params, edge, batch):
+        edge = jax.tree.map(lambda e: _vary(e, {STAGE_AXIS}), edge)
+        losses, new, new_edge, versions = run_schedule(
+            program, model, _chunked(params, 1), edge, batch, learning_rate=learning_rate)
+        last = jax.lax.axis_index(STAGE_AXIS) == schedule.stages - 1
+        losses = jax.lax.psum(jnp.where(last, losses, 0.0), STAGE_AXIS)
+        return losses, _unchunked(new), jax.tree.map(lambda e: e[None], new_edge), versions[None]
+
+    stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), stage_params)
+    edge_in = jax.tree.map(lambda _: PartitionSpec(), edge_params)
+    edge_out = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), edge_params)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(stage_spec, edge_in, jax.tree.map(lambda _: PartitionSpec(), batch)),
+                       out_specs=(PartitionSpec(), stage_spec, edge_out, PartitionSpec(STAGE_AXIS)),
+                       axis_names={STAGE_AXIS})
+    return fn(stage_params, edge_params, batch)
+
+
+def simulate_pipedream(stage_fn, stage_params, batch, stages: int, *, first_fn, last_fn, edge_params,
+                       learning_rate: float):
+    """The oracle for ``pipedream_train``, on one device and from PipeDream's definition alone:
+    micro-batch i runs stage s with the weights after max(0, i - (S-s-1)) of that stage's updates
+    (1F1B keeps S-s micro-batches in flight on stage s) and its gradient then updates stage s's
+    current weights. Stage 0 owns first_fn's copy of ``edge_params``, stage S-1 last_fn's.
+    Returns what ``pipedream_train`` returns."""
+    m = jax.tree.leaves(batch)[0].shape[0]
+    k = _num_layers(stage_params) // stages
+    split = [jax.tree.map(lambda x: x[s * k:(s + 1) * k], stage_params) for s in range(stages)]
+    history = [[w] for w in split]  # history[s][n]: stage s's weights after n updates
+    first_history, last_history = [edge_params], [edge_params]
+
+    def loss_of(chunks, first_edge, last_edge, mb):
+        x = first_fn(first_edge, mb)
+        for chunk in chunks:
+            x = stage_fn(chunk, x)
+        return last_fn(last_edge, x, mb)
+
+    grad = jax.jit(jax.value_and_grad(loss_of, argnums=(0, 1, 2)))
+    losses, versions = [], [[max(0, i - (stages - s - 1)) for i in range(m)] for s in range(stages)]
+    for i in range(m):
+        mb = jax.tree.map(lambda b: b[i], batch)
+        chunks = [history[s][versions[s][i]] for s in range(stages)]
+        loss, (g_chunks, g_first, g_last) = grad(
+            chunks, first_history[versions[0][i]], last_history[versions[-1][i]], mb)
+        losses.append(loss)
+        for s in range(stages):
+            history[s].append(jax.tree.map(lambda w, g: w - learning_rate * g, history[s][-1], g_chunks[s]))
+        first_history.append(jax.tree.map(lambda w, g: w - learning_rate * g, first_history[-1], g_first))
+        last_history.append(jax.tree.map(lambda w, g: w - learning_rate * g, last_history[-1], g_last))
+    final = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[h[-1] for h in history])
+    edge_copies = [first_history[-1]] + [edge_params] * (stages - 2) + [last_history[-1]]
+    return jnp.stack(losses), final, jax.tree.map(lambda *xs: jnp.stack(xs), *edge_copies), np.array(versions)
+
+
+# --- the repo's Llama, split into pipeline pieces ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitModel:
+    """A model's pipeline pieces and how its weights (a pure dict) split into the stacked layers
+    (``params[stacked]``) and the edge weights (everything else)."""
+
+    pieces: PipelineModel
+    stacked: str
+    names: tuple[Any, Any]  # logical names of (stacked weights, edge weights), shaped like them
+
+    def split(self, params):
+        return params[self.stacked], {key: value for key, value in params.items() if key != self.stacked}
+
+    def merge(self, stacked, edge):
+        return {**edge, self.stacked: stacked}
+
+
+def llama_pieces(cfg, abstract_state) -> SplitModel:
+    """``models.llama.Llama`` as first_fn (embedding), stage_fn (a chunk of its scanned layers) and
+    last_fn (final norm, output projection, next-token loss), on token batches (b, length + 1).
+
+    ``abstract_state``: the model's abstract ``nnx.State`` (``train.step.abstract_model``), for the
+    weights' logical names. The pieces call the model's own layout-aware code, so they run on one
+    device, under an all-manual layout (FSDP gathers, TP sums) or with Auto axes alike. They use
+    ``llama._block`` and ``llama._rms_norm``; ``Llama.__call__`` repeats the same three steps."""
+    layers_abstract = abstract_state["layers"]
+    edge_abstract = {key: var for key, var in abstract_state.items() if key != "layers"}
+
+    def with_values(abstract, pure):
+        state = jax.tree.map(lambda v: v, abstract)
+        nnx.replace_by_pure_dict(state, pure)
+        return state
+
+    def edge_weight(edge, name):
+        return gathered(edge_abstract[name].replace(value=edge[name]))
+
+    def first_fn(edge, tokens):
+        return ops.embed_lookup(edge_weight(edge, "embedding"), tokens[:, :-1], llama.RESIDUAL)
+
+    def stage_fn(chunk, x):
+        positions = jnp.arange(x.shape[1])
+
+        def layer(x, stacked_slice):  # as in Llama.__call__
+            w = {name: var[...] for name, var in gather_params(stacked_slice).items()}
+            return llama._block(x, w, cfg, positions), None
+
+        return jax.lax.scan(layer_checkpoint(layer, cfg.remat), x, with_values(layers_abstract, chunk))[0]
+
+    def last_fn(edge, x, tokens):
+        h = regather(llama._rms_norm(x, edge_weight(edge, "final_norm"), cfg.norm_eps), llama.RESIDUAL, llama.BLOCK)
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("ble,ve->blv", h, edge_weight(edge, "embedding"))
+        else:
+            logits = jnp.einsum("ble,ev->blv", h, edge_weight(edge, "unembedding"))
+        logits = constrain(logits, ("batch", "length", "vocab"))
+        return ops.cross_entropy(logits, tokens[:, 1:], ("batch", "length", "vocab"))
+
+    names = nnx.to_pure_dict(jax.tree.map(logical_names, abstract_state, is_leaf=lambda v: isinstance(v, nnx.Variable)))
+    return SplitModel(PipelineModel(first_fn, stage_fn, last_fn), "layers",
+                      (names["layers"], {key: n for key, n in names.items() if key != "layers"}))

@@ -1,0 +1,347 @@
+"""Pipeline parallelism: schedules as data (schedules.py) and the SPMD executor (pipeline.py).
+
+Oracle: the same model on one device, written with plain JAX (no pipeline). Loss, gradients and
+the weights after one AdamW update must match in float32 to within 1e-5 of the tensor's largest
+entry (|a - b| <= 1e-5 * max|b| + 1e-5 * |b|; measured differences are ~1e-7). PipeDream, which
+cannot match synchronous training, is compared with a single-device simulation of the same stale
+updates written from PipeDream's definition (``simulate_pipedream``), not from the schedule table.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxpar.analysis.hlo import collectives
+from jaxpar.errors import LayoutError
+from jaxpar.models import llama
+from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.parallel import pipeline as pl
+from jaxpar.parallel import schedules as sc
+from jaxpar.train.step import abstract_model
+
+AUTO = jax.sharding.AxisType.Auto
+
+
+def assert_close(actual, expected, what=""):
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = float(np.max(np.abs(b))) or 1.0
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{what} {jax.tree_util.keystr(path[0])}")
+
+
+# --- schedules --------------------------------------------------------------------------------
+
+SIZES = [(2, 2), (2, 4), (3, 6), (4, 4), (4, 8), (4, 12), (8, 8), (8, 16)]
+
+
+@pytest.mark.parametrize("stages, m", SIZES)
+def test_bubble_fraction_formulas(stages, m):
+    expected = (stages - 1) / (m + stages - 1)
+    for schedule in (sc.gpipe(stages, m), sc.one_f_one_b(stages, m), sc.eager_one_f_one_b(stages, m)):
+        assert schedule.bubble_fraction() == pytest.approx(expected), schedule.name
+        assert schedule.ticks == 2 * (m + stages - 1)
+    for v in (2, 3):
+        schedule = sc.interleaved_one_f_one_b(stages, m, v)
+        assert schedule.bubble_fraction() == pytest.approx((stages - 1) / (v * m + stages - 1))
+
+
+@pytest.mark.parametrize("stages, m", SIZES)
+def test_peak_in_flight(stages, m):
+    assert sc.gpipe(stages, m).peak_in_flight() == (m,) * stages
+    assert sc.one_f_one_b(stages, m).peak_in_flight() == tuple(stages - s for s in range(stages))
+    assert sc.eager_one_f_one_b(stages, m).peak_in_flight() == tuple(min(2 * (stages - s) - 1, m) for s in range(stages))
+
+
+def test_eager_1f1b_hides_a_slow_send():
+    """When a send takes a whole tick, 1F1B stalls in its steady state; eager 1F1B's extra warm-up
+    forwards leave a slot for every send, and it keeps GPipe's bubble with 1F1B's schedule shape."""
+    slow = dict(latency=2)
+    gpipe, plain, eager = sc.gpipe(4, 8, **slow), sc.one_f_one_b(4, 8, **slow), sc.eager_one_f_one_b(4, 8, **slow)
+    assert eager.bubble_fraction() == pytest.approx(gpipe.bubble_fraction())
+    assert eager.bubble_fraction() < plain.bubble_fraction() - 0.1  # 0.43 against 0.58
+    assert all(e < g for e, g in zip(eager.peak_in_flight(), gpipe.peak_in_flight()))
+
+
+def test_chart_of_1f1b():
+    assert sc.one_f_one_b(2, 3).chart() == (
+        "stage 0: F0 F1 .  B0 F2 B1 .  B2\n"
+        "stage 1: .  F0 B0 F1 B1 F2 B2 ."
+    )
+    assert sc.interleaved_one_f_one_b(2, 2, 2).chart().splitlines()[0].startswith("stage 0: F0.0 F1.0 F0.1 F1.1")
+
+
+def _replace(schedule, **tables):
+    fields = {name: getattr(schedule, name) for name in ("kind", "microbatch", "chunk")}
+    fields.update(tables)
+    return sc.Schedule(schedule.name, schedule.stages, schedule.microbatches, schedule.chunks, **fields)
+
+
+def test_validate_rejects_broken_tables():
+    good = sc.one_f_one_b(2, 2)
+    assert good.validate() is good
+    # stage 1 runs F0 in the same tick as stage 0: its input has not arrived
+    kind, mb, chunk = good.kind.copy(), good.microbatch.copy(), good.chunk.copy()
+    kind[0, 1], mb[0, 1], chunk[0, 1] = sc.FORWARD, 0, 0
+    kind[1, 1], mb[1, 1], chunk[1, 1] = sc.IDLE, -1, -1
+    with pytest.raises(sc.ScheduleError, match="F of micro-batch 0 on virtual stage 1 at tick 0 comes before its input"):
+        _replace(good, kind=kind, microbatch=mb, chunk=chunk).validate()
+    # a backward dropped
+    kind = good.kind.copy()
+    kind[np.nonzero(good.kind[:, 0] == sc.BACKWARD)[0][0], 0] = sc.IDLE
+    with pytest.raises(sc.ScheduleError, match="runs 0 times"):
+        _replace(good, kind=kind).validate()
+    # stage 0's B0 one tick earlier, in the tick stage 1 computes the gradient it needs
+    b0 = int(np.argwhere((good.kind[:, 0] == sc.BACKWARD) & (good.microbatch[:, 0] == 0))[0, 0])
+    assert good.kind[b0 - 1, 0] == sc.IDLE
+    kind, mb, chunk = good.kind.copy(), good.microbatch.copy(), good.chunk.copy()
+    kind[b0, 0], kind[b0 - 1, 0], mb[b0 - 1, 0], chunk[b0 - 1, 0] = sc.IDLE, sc.BACKWARD, 0, 0
+    with pytest.raises(sc.ScheduleError, match="comes before its gradient from virtual stage 1"):
+        _replace(good, kind=kind, microbatch=mb, chunk=chunk).validate()
+
+
+def test_bad_sizes_name_the_values_and_the_fix():
+    with pytest.raises(sc.ScheduleError, match=r"1f1b with 2 micro-batches on 4 stages: the pipeline never fills.*microbatches=4"):
+        sc.one_f_one_b(4, 2)
+    with pytest.raises(sc.ScheduleError, match=r"eager-1f1b with 3 micro-batches on 4 stages"):
+        sc.eager_one_f_one_b(4, 3)
+    with pytest.raises(sc.ScheduleError, match=r"6 is not a multiple of 4.*microbatches=4 or 8"):
+        sc.interleaved_one_f_one_b(4, 6, 2)
+    with pytest.raises(sc.ScheduleError, match="at least 2 chunks"):
+        sc.interleaved_one_f_one_b(4, 8, 1)
+    with pytest.raises(sc.ScheduleError, match=r"4 layers cannot be split over 3 stages.*divides 4 \(1, 2, 4\)"):
+        pl.layers_per_chunk(4, sc.gpipe(3, 3))
+    with pytest.raises(sc.ScheduleError, match=r"over 2 stages x 4 chunks = 8 virtual stages"):
+        pl.layers_per_chunk(4, sc.interleaved_one_f_one_b(2, 2, 4))
+    with pytest.raises(sc.ScheduleError, match="unknown pipeline schedule 'zb'"):
+        sc.make("zb", 2, 2)
+    with pytest.raises(sc.ScheduleError, match="microbatches=0"):
+        sc.gpipe(2, 0)
+    assert sc.gpipe(4, 2).bubble_fraction() == pytest.approx(3 / 5)  # GPipe accepts m < S
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+def test_pipedream_weight_versions_and_staleness(stages):
+    m = 6 * stages
+    schedule = sc.pipedream(stages, m)
+    expected = [[max(0, i - (stages - s - 1)) for i in range(m)] for s in range(stages)]
+    np.testing.assert_array_equal(sc.weight_versions(schedule), expected)
+    assert sc.staleness(schedule) == tuple(stages - s - 1 for s in range(stages))
+    # updates by all stages between a micro-batch's forward and backward on stage 0, steady state
+    assert sc.global_delay(schedule)[0] == stages * (stages - 1)
+    assert schedule.peak_in_flight() == tuple(stages - s for s in range(stages))
+
+
+def test_buffers_hold_what_is_in_flight():
+    """Stage inputs are kept per micro-batch in flight, not per micro-batch: 1F1B's buffer does
+    not grow with m, GPipe's does."""
+    for m in (8, 16):
+        assert pl.lower(sc.one_f_one_b(4, m)).act_slots == 4  # S-1 in flight on stage 1, +1 arriving
+        assert pl.lower(sc.gpipe(4, m)).act_slots == m
+    assert pl.lower(sc.eager_one_f_one_b(4, 16)).act_slots == 6
+
+
+# --- the executor on an MLP stack ---------------------------------------------------------------
+
+LAYERS, WIDTH, BATCH = 8, 16, 8
+
+
+def mlp_stage(chunk, x):
+    def layer(x, w):
+        return x + jnp.tanh(x @ w["w"] + w["b"]), None
+
+    return jax.lax.scan(layer, x, chunk)[0]
+
+
+def mlp_first(edge, mb):
+    return mb[0] @ edge["w_in"]
+
+
+def mlp_last(edge, y, mb):
+    return jnp.mean((y @ edge["w_out"] - mb[1]) ** 2)
+
+
+def mlp_params():
+    k = jax.random.split(jax.random.key(0), 4)
+    stacked = {"w": jax.random.normal(k[0], (LAYERS, WIDTH, WIDTH)) / np.sqrt(WIDTH),
+               "b": 0.1 * jax.random.normal(k[1], (LAYERS, WIDTH))}
+    edge = {"w_in": jax.random.normal(k[2], (4, WIDTH)), "w_out": jax.random.normal(k[3], (WIDTH, 2)) / 4}
+    return stacked, edge
+
+
+def mlp_batch(m):
+    k = jax.random.split(jax.random.key(1), 2)
+    return jax.random.normal(k[0], (m, BATCH, 4)), jax.random.normal(k[1], (m, BATCH, 2))
+
+
+def mlp_oracle(stacked, edge, batch):
+    """Mean loss over the micro-batches on one device, no pipeline."""
+    def loss(stacked, edge):
+        losses = [mlp_last(edge, mlp_stage(stacked, mlp_first(edge, mb)), mb)
+                  for mb in zip(batch[0], batch[1])]
+        return sum(losses) / len(losses)
+
+    with jax.default_device(jax.devices()[0]):
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(stacked, edge)
+
+
+def stage_mesh(stages):
+    return jax.make_mesh((stages, 8 // stages), ("stage", "data"), axis_types=(AUTO, AUTO))
+
+
+@jax.jit
+def adamw_step(params, grads):
+    # AdamW's first step is lr * g / (|g| + eps): with the default eps (1e-8) a gradient entry
+    # near zero turns float noise into a whole +-lr step, so compare with eps well above the noise
+    opt = optax.adamw(1e-2, eps=1e-4, weight_decay=0.1)
+    updates, _ = opt.update(grads, opt.init(params), params)
+    return optax.apply_updates(params, updates)
+
+
+MLP_CASES = [("gpipe", 4, 4, 1), ("1f1b", 4, 8, 1), ("eager-1f1b", 4, 8, 1), ("interleaved-1f1b", 2, 4, 2),
+             ("interleaved-1f1b", 4, 4, 2)]
+
+
+@pytest.mark.parametrize("name, stages, m, chunks", MLP_CASES)
+def test_mlp_matches_one_device(name, stages, m, chunks):
+    stacked, edge = mlp_params()
+    mesh = stage_mesh(stages)
+    schedule = sc.make(name, stages, m, chunks)
+    # the batch is split over the data axis, which stays Auto inside the stage-manual shard_map
+    batch = jax.device_put(mlp_batch(m), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data")))
+    run = jax.jit(lambda s, e, b: pl.pipeline_value_and_grad(
+        mlp_stage, s, b, mesh, schedule, first_fn=mlp_first, last_fn=mlp_last, edge_params=e))
+    loss, grads = run(stacked, edge, batch)
+    expected_loss, expected_grads = mlp_oracle(stacked, edge, mlp_batch(m))
+    assert_close(loss, expected_loss, "loss")
+    assert_close(grads, expected_grads, "grads")
+    assert_close(adamw_step((stacked, edge), grads), adamw_step((stacked, edge), expected_grads), "AdamW step")
+
+
+@pytest.mark.parametrize("name, chunks", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_stage_traffic_is_collective_permutes(name, chunks):
+    """Compiled HLO: over the stage axis, each tick runs one collective-permute of the activation
+    forward and one of its gradient backward; the only other stage collectives run once (the
+    all-reduce of the edge gradients and loss and, interleaved, the gathers that reorder layers)."""
+    stages, m = 4, 4
+    stacked, edge = mlp_params()
+    mesh = stage_mesh(stages)
+    schedule = sc.make(name, stages, m, chunks)
+    batch = jax.device_put(mlp_batch(m), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data")))
+    run = jax.jit(lambda s, e, b: pl.pipeline_value_and_grad(
+        mlp_stage, s, b, mesh, schedule, first_fn=mlp_first, last_fn=mlp_last, edge_params=e))
+    cols = [c for c in collectives(run.lower(stacked, edge, batch).compile().as_text(), mesh) if "stage" in c.mesh_axes]
+    activation_bytes = BATCH // 2 * WIDTH * 4  # one micro-batch's activation, its batch split over data=2
+    per_tick = [(c.kind, c.mesh_axes, c.operand_bytes) for c in cols if c.executions == schedule.ticks]
+    assert per_tick == [("collective-permute", ("stage",), activation_bytes)] * 2
+    once = {(c.kind, c.mesh_axes) for c in cols if c.executions == 1}
+    assert ("all-reduce", ("stage",)) in once
+    assert once <= {("all-reduce", ("stage",)), ("all-gather", ("stage",)), ("all-to-all", ("stage",))}
+    assert all(c.executions in (1, schedule.ticks) for c in cols)
+
+
+def test_executor_errors():
+    stacked, edge = mlp_params()
+    kwargs = dict(first_fn=mlp_first, last_fn=mlp_last, edge_params=edge)
+    with pytest.raises(sc.ScheduleError, match=r"for 4 stages but the mesh has stage=2; give the mesh stage=4"):
+        pl.pipeline_value_and_grad(mlp_stage, stacked, mlp_batch(4), stage_mesh(2), sc.gpipe(4, 4), **kwargs)
+    with pytest.raises(sc.ScheduleError, match=r"8 layers cannot be split over 3 stages"):
+        mesh3 = jax.make_mesh((3,), ("stage",), axis_types=(AUTO,), devices=jax.devices()[:3])
+        pl.pipeline_value_and_grad(mlp_stage, stacked, mlp_batch(3), mesh3, sc.gpipe(3, 3), **kwargs)
+    with pytest.raises(sc.ScheduleError, match=r"split into the schedule's 4 micro-batches.*leading dims \[8\]"):
+        pl.pipeline_value_and_grad(mlp_stage, stacked, mlp_batch(8), stage_mesh(2), sc.gpipe(2, 4), **kwargs)
+    with pytest.raises(LayoutError, match="stage_fn must keep the shape"):
+        jax.jit(lambda: pl.pipeline_value_and_grad(lambda c, x: x[:, :3], stacked, mlp_batch(4), stage_mesh(2),
+                                                   sc.gpipe(2, 4), **kwargs)).lower()
+    with pytest.raises(sc.ScheduleError, match="run it with pipedream_train"):
+        pl.pipeline_value_and_grad(mlp_stage, stacked, mlp_batch(4), stage_mesh(2), sc.pipedream(2, 4), **kwargs)
+
+
+# --- PipeDream ----------------------------------------------------------------------------------
+
+
+def test_pipedream_matches_its_simulation():
+    stages, m, lr = 4, 12, 0.02
+    stacked, edge = mlp_params()
+    batch = mlp_batch(m)
+    schedule = sc.pipedream(stages, m)
+    run = jax.jit(lambda s, e, b: pl.pipedream_train(
+        mlp_stage, s, b, stage_mesh(stages), schedule, first_fn=mlp_first, last_fn=mlp_last, edge_params=e,
+        learning_rate=lr))
+    losses, new_stacked, edge_copies, versions = run(stacked, edge, batch)
+    simulate = dict(first_fn=mlp_first, last_fn=mlp_last, edge_params=edge, learning_rate=lr)
+    expected = pl.simulate_pipedream(mlp_stage, stacked, batch, stages, **simulate)
+    np.testing.assert_array_equal(versions, expected[3])
+    np.testing.assert_array_equal(versions, sc.weight_versions(schedule))
+    assert_close(losses, expected[0], "losses")
+    assert_close(new_stacked, expected[1], "stacked weights")
+    assert_close(edge_copies, expected[2], "edge weight copies")
+    # the comparison can fail: with fresh weights everywhere (no staleness) the run differs
+    fresh = pl.simulate_pipedream(mlp_stage, stacked, batch, 1, **simulate)
+    assert not np.allclose(np.asarray(new_stacked["w"]), np.asarray(fresh[1]["w"]), rtol=1e-3)
+
+
+# --- the repo's Llama ----------------------------------------------------------------------------
+
+TOKENS_PER_MB, SEQ = 4, 16
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    cfg = llama.CONFIGS["tiny"]
+    graphdef, abstract = abstract_model(lambda r: llama.Llama(cfg, rngs=r))
+    with nnx.use_eager_sharding(False):
+        params = nnx.to_pure_dict(nnx.state(llama.Llama(cfg, rngs=nnx.Rngs(0))))
+    return cfg, graphdef, abstract, params
+
+
+def llama_oracle(graphdef, params, tokens):
+    def loss(p):
+        model = nnx.merge(graphdef, p)
+        return sum(llama.loss_fn(model, mb) for mb in tokens) / len(tokens)
+
+    with jax.default_device(jax.devices()[0]):
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+
+LLAMA_CASES = [
+    pytest.param("stage=2,fsdp=2,tensor=2", "1f1b", 4, 1, True, id="stage2-fsdp2-tensor2-1f1b-layout"),
+    pytest.param("stage=4,data=2", "1f1b", 4, 1, True, id="stage4-data2-1f1b-layout", marks=pytest.mark.slow),
+    pytest.param("stage=4,data=2", "eager-1f1b", 8, 1, True, id="stage4-eager-layout", marks=pytest.mark.slow),
+    pytest.param("stage=4,fsdp=2", "gpipe", 4, 1, True, id="stage4-fsdp2-gpipe-layout", marks=pytest.mark.slow),
+    pytest.param("stage=2,fsdp=2,tensor=2", "interleaved-1f1b", 4, 2, True, id="stage2-interleaved-layout",
+                 marks=pytest.mark.slow),
+    pytest.param("stage=2,data=4", "1f1b", 4, 1, False, id="stage2-1f1b-auto", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("strategy, name, m, chunks, manual", LLAMA_CASES)
+def test_llama_matches_one_device(tiny_llama, strategy, name, m, chunks, manual):
+    """Tiny Llama (4 layers) split over 2 or 4 stages. ``manual``: every mesh axis manual, FSDP and
+    TP collectives placed by the model's layout-aware calls (as in Trainer); otherwise only
+    ``stage`` is manual and XLA partitions the rest."""
+    cfg, graphdef, abstract, params = tiny_llama
+    layout = build_layout(parse_strategy(strategy, 8))
+    schedule = sc.make(name, layout.mesh.shape["stage"], m, chunks)
+    model = pl.llama_pieces(cfg, abstract)
+    stacked, edge = model.split(params)
+    tokens = jax.random.randint(jax.random.key(1), (m, TOKENS_PER_MB, SEQ + 1), 0, cfg.vocab_size)
+    pieces = model.pieces
+    run = jax.jit(lambda s, e, t: pl.pipeline_value_and_grad(
+        pieces.stage_fn, s, t, layout.mesh, schedule, first_fn=pieces.first_fn, last_fn=pieces.last_fn, edge_params=e,
+        layout=layout if manual else None, names=model.names))
+    compiled = run.lower(stacked, edge, tokens).compile()
+    loss, (stacked_grads, edge_grads) = compiled(stacked, edge, tokens)
+    grads = model.merge(stacked_grads, edge_grads)
+    expected_loss, expected_grads = llama_oracle(graphdef, params, tokens)
+    assert_close(loss, expected_loss, "loss")
+    assert_close(grads, expected_grads, "grads")
+    assert_close(adamw_step(params, grads), adamw_step(params, expected_grads), "AdamW step")
+    if manual:  # stage traffic is point-to-point; FSDP / TP collectives run inside the stages
+        cols = collectives(compiled.as_text(), layout.mesh)
+        in_loop = [c for c in cols if c.executions >= schedule.ticks]
+        assert {(c.kind, c.mesh_axes) for c in in_loop if "stage" in c.mesh_axes} == {("collective-permute", ("stage",))}
+        for axis in ("fsdp", "tensor"):
+            if layout.mesh.shape[axis] > 1:
+                assert any(c.mesh_axes == (axis,) for c in in_loop), f"no {axis} collective inside the stages"
