@@ -123,11 +123,17 @@ def _ring_reduce_scatter(chunks, axis_name, ranks, codec):
     return partial
 
 
-def _ring_all_gather(mine, axis_name, ranks, codec, chunk):
-    """Every rank gets every rank's chunk, decoded from the owner's one compressed copy."""
+def _ring_all_gather(mine, axis_name, ranks, codec, chunk, transport="ppermute"):
+    """Every rank gets every rank's chunk, decoded from the owner's one compressed copy.
+    ``transport``: the hops as XLA ppermutes, or the Pallas TPU ring kernel (``pallas_ring``)."""
     r = jax.lax.axis_index(axis_name)
     to_next = [(i, (i + 1) % ranks) for i in range(ranks)]
     packed = codec.encode(mine, codec.gather_hop, r)
+    if transport == "pallas_ring":
+        from jaxpar.kernels import ring  # Pallas is imported only where the kernel is asked for
+
+        gathered = ring.ring_all_gather_packed(packed, axis_name)  # [ranks, ...] per field, row = owner
+        return jnp.stack([codec.decode(jax.tree.map(lambda a: a[o], gathered), codec.gather_hop, o) for o in range(ranks)])
     out = jnp.zeros((ranks, chunk), jnp.float32).at[r].set(codec.decode(packed, codec.gather_hop, r))
     for hop in range(ranks - 1):
         packed = jax.lax.ppermute(packed, axis_name, to_next)
@@ -176,20 +182,30 @@ _ALL_GATHER = {"ring": _ring_all_gather, "butterfly": _butterfly_all_gather}
 
 def all_reduce(
     x: jax.Array, axis_name: str, *, scheme: str = "dynamiq", bits: float | None = None, seed=0,
-    algorithm: str = "auto", min_size: int = 4096,
+    algorithm: str = "auto", min_size: int = 4096, all_gather_transport: str = "ppermute",
 ) -> jax.Array:
     """Sum of ``x`` over ``axis_name``, compressed on the wire; bit-identical on every rank.
 
     ``bits``: average payload bits per value (default 5.125 for dynamiq, 8 for uniform); ``seed``
     (an int, or a traced integer such as the step) drives the shared dither, None rounds to
-    nearest; ``algorithm``: auto (butterfly on power-of-two axes, else ring), ring or butterfly."""
+    nearest; ``algorithm``: auto (butterfly on power-of-two axes, else ring), ring or butterfly;
+    ``all_gather_transport``: ``ppermute`` (XLA hops) or ``pallas_ring`` (the ring's all-gather as
+    one Pallas TPU kernel with remote DMAs, ``jaxpar.kernels.ring``; algorithm ring only; on CPU
+    under ``pltpu.force_tpu_interpret_mode()``). Both give the same bits."""
+    if all_gather_transport not in ("ppermute", "pallas_ring"):
+        raise ValueError(f"all_gather_transport {all_gather_transport!r} is not 'ppermute' or 'pallas_ring'")
     ranks = jax.lax.axis_size(axis_name)
     codec, algorithm = _codec(scheme, algorithm, ranks, bits, seed)
+    if all_gather_transport == "pallas_ring" and algorithm != "ring":
+        raise ValueError(f"all_gather_transport='pallas_ring' runs the ring's all-gather; algorithm is {algorithm!r}: pass algorithm='ring'")
     if codec is None or ranks == 1 or x.size < min_size * ranks:
         return jax.lax.psum(x, axis_name)
     chunks, chunk = _chunks(x, ranks)
     mine = _REDUCE_SCATTER[algorithm](chunks, axis_name, ranks, codec)
-    total = _ALL_GATHER[algorithm](mine, axis_name, ranks, codec, chunk)
+    if algorithm == "ring":
+        total = _ring_all_gather(mine, axis_name, ranks, codec, chunk, all_gather_transport)
+    else:
+        total = _ALL_GATHER[algorithm](mine, axis_name, ranks, codec, chunk)
     return total.reshape(-1)[: x.size].reshape(x.shape).astype(x.dtype)
 
 
