@@ -33,6 +33,18 @@ def _train_parser(sub):
     p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 keeps float32 master weights")
     p.add_argument("--grad-reduce-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype gradients are summed across devices in")
     p.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="what the backward pass recomputes")
+    g = p.add_argument_group("gradient sync (how gradients are summed across the batch axes)")
+    g.add_argument(
+        "--grad-sync", default="exact", metavar="{exact,dynamiq,int8}",
+        help="exact: psum in --grad-reduce-dtype (default); dynamiq: compressed all-reduce with block scales and "
+        "per-group widths (about 5 bits per value); int8: naive 8-bit per-hop quantization",
+    )
+    g.add_argument("--grad-sync-bits", type=float, metavar="B", help="dynamiq: average bits per value (default: the collective's)")
+    g.add_argument(
+        "--grad-sync-axes", metavar="AXES",
+        help="comma-separated batch mesh axes to compress, e.g. data (default: those that cross slow links between "
+        "slices or nodes, else all)",
+    )
     c = p.add_argument_group("checkpoints (orbax; restorable under any layout, device count or process count)")
     c.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here")
     c.add_argument("--checkpoint-every", type=int, default=100, metavar="K", help="save every K steps and after the last (default 100)")
@@ -170,6 +182,8 @@ def _train(args) -> int:
         train=TrainConfig(
             learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, microbatches=args.microbatches,
             compute_dtype=args.compute_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
+            grad_sync=args.grad_sync, grad_sync_bits=args.grad_sync_bits,
+            grad_sync_axes=None if args.grad_sync_axes is None else tuple(filter(None, (a.strip() for a in args.grad_sync_axes.split(",")))),
         ),
     )
     report = run_training(run, topology, checkpoint=checkpoint, resume=resume)

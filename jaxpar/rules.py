@@ -59,6 +59,7 @@ class Layout:
     optimizer: Rules
     grad: Rules
     regather: bool = False  # FSDP: gather weights again in the backward pass instead of keeping them
+    dcn_axes: tuple[str, ...] = ()  # mesh axes that cross the slow links between slices / nodes
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -128,15 +129,26 @@ class _Active:
     manual: bool
     compute_dtype: jnp.dtype
     grad_reduce_dtype: jnp.dtype
+    grad_sync: object = None  # compressed gradient sync of the step (see use_layout)
+    grad_seed: object = None  # its dither seed this step (traced)
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("jaxpar_layout", default=None)
 
 
 @contextlib.contextmanager
-def use_layout(layout: Layout | None, *, manual: bool = False, compute_dtype=jnp.float32, grad_reduce_dtype=jnp.float32):
-    """Make ``layout`` the one the model-facing calls below obey (``manual``: inside shard_map)."""
-    token = _ACTIVE.set(None if layout is None else _Active(layout, manual, jnp.dtype(compute_dtype), jnp.dtype(grad_reduce_dtype)))
+def use_layout(
+    layout: Layout | None, *, manual: bool = False, compute_dtype=jnp.float32, grad_reduce_dtype=jnp.float32,
+    grad_sync=None, grad_seed=None,
+):
+    """Make ``layout`` the one the model-facing calls below obey (``manual``: inside shard_map).
+
+    ``grad_sync`` (a ``train.grad_sync.GradSync``) with its traced ``grad_seed``: weight gathers
+    reduce-scatter their gradient over its axes compressed (ZeRO-3 under a compressed sync)."""
+    active = None
+    if layout is not None:
+        active = _Active(layout, manual, jnp.dtype(compute_dtype), jnp.dtype(grad_reduce_dtype), grad_sync, grad_seed)
+    token = _ACTIVE.set(active)
     try:
         yield
     finally:
@@ -235,15 +247,21 @@ def logical_names(variable) -> tuple[str | None, ...] | None:
     return None if names is None else tuple(names)
 
 
-def _gather_weight(value, names, layout: Layout, dtype, reduce_dtype):
-    """All-gather one weight's storage shards into its compute layout, cast to ``dtype``.
-
-    The backward pass reduce-scatters the gradient in ``reduce_dtype`` (never silently bf16)."""
+def gather_plan(names, layout: Layout) -> list[tuple[int, tuple[str, ...]]]:
+    """(dim, mesh axes) a weight is all-gathered over, from its stored to its compute layout."""
     plan = []
     for dim, name in enumerate(names):
         extra = tuple(a for a in layout.axes_of(name, "param") if a not in layout.axes_of(name, "compute"))
         if extra:
             plan.append((dim, extra))
+    return plan
+
+
+def _gather_weight(value, names, layout: Layout, dtype, reduce_dtype):
+    """All-gather one weight's storage shards into its compute layout, cast to ``dtype``.
+
+    The backward pass reduce-scatters the gradient in ``reduce_dtype`` (never silently bf16)."""
+    plan = gather_plan(names, layout)
     stored_dtype = value.dtype
 
     @jax.custom_vjp
@@ -265,6 +283,49 @@ def _gather_weight(value, names, layout: Layout, dtype, reduce_dtype):
     return checkpoint_name(gather(value), GATHERED)
 
 
+def _compressed_gather(values, names, plans, active: _Active) -> list:
+    """All-gather several weights whose gathers run over the same axes (one plan shape) and that
+    ``active.grad_sync`` compresses; the backward reduce-scatters their gradients as one bucket
+    per gather stage (one compressed collective for all of a layer's weights, not one each).
+
+    The step's dither seed is an argument of the custom_vjp: a tracer closed over by the backward
+    pass could leak out of it."""
+    sync, dtype = active.grad_sync, active.compute_dtype
+    stages = [axes for _, axes in plans[0]]
+    stored = [v.dtype for v in values]
+    tag = ("gather", tuple(names), tuple(v.shape for v in values))  # names the reduction in its dither seed
+
+    @jax.custom_vjp
+    def gather(xs, seed):
+        out = []
+        for x, plan in zip(xs, plans):
+            y = x.astype(dtype)
+            for dim, axes in plan:
+                y = jax.lax.all_gather(y, axes, axis=dim, tiled=True)
+            out.append(y)
+        return tuple(out)
+
+    def gather_bwd(seed, cts):
+        grads = list(cts)
+        for stage in reversed(range(len(stages))):
+            axes, dims = stages[stage], [plan[stage][0] for plan in plans]
+            if sync.compresses(axes):
+                grads = sync.reduce_scatter_bucket(list(zip(grads, dims)), axes, seed, tag + (stage,))
+            else:
+                grads = [jax.lax.psum_scatter(g.astype(jnp.float32), axes, scatter_dimension=d, tiled=True) for g, d in zip(grads, dims)]
+        return tuple(g.astype(t) for g, t in zip(grads, stored)), None  # the seed is an integer: no cotangent
+
+    gather.defvjp(lambda xs, seed: (gather(xs, seed), seed), gather_bwd)
+    return [checkpoint_name(y, GATHERED) for y in gather(tuple(values), active.grad_seed)]
+
+
+def _compute_names(var, value) -> tuple:
+    names = logical_names(var) or (None,) * value.ndim
+    if len(names) == value.ndim + 1 and "layers" in names:
+        names = tuple(n for n in names if n != "layers")  # a slice of a stacked layer weight
+    return names
+
+
 def gathered(var):
     """One nnx weight as an array in its compute layout and dtype (gathered from its stored shards
     inside jaxpar's step; the unchanged value elsewhere). Stacked layer weights must be sliced
@@ -275,9 +336,11 @@ def gathered(var):
         return value
     if not active.manual:
         return value.astype(active.compute_dtype)
-    names = logical_names(var) or (None,) * value.ndim
-    if len(names) == value.ndim + 1 and "layers" in names:
-        names = tuple(n for n in names if n != "layers")
+    names = _compute_names(var, value)
+    if active.grad_sync is not None:
+        plan = gather_plan(names, active.layout)
+        if any(active.grad_sync.compresses(axes) for _, axes in plan):
+            return _compressed_gather([value], [names], [plan], active)[0]
     return _gather_weight(value, names, active.layout, active.compute_dtype, active.grad_reduce_dtype)
 
 
@@ -286,17 +349,43 @@ def gather_params(state):
 
     jaxpar's step calls this on a model's whole state before running it. Stacked layer weights
     (logical axis ``layers`` still present) are left alone: a model gathers them one layer at a
-    time inside its layer scan, by calling this on the layer's slice.
+    time inside its layer scan, by calling this on the layer's slice. Under a compressed gradient
+    sync, the weights whose gradients it reduce-scatters compressed are gathered together, so that
+    the backward pass reduces them in one bucket.
     """
     from flax import nnx
 
-    def gather_one(var):
+    def stacked(var):
         names = logical_names(var) or ()
-        if "layers" in names and len(names) == var.get_value().ndim:
-            return var  # still stacked: gathered per layer in the scan
-        return var.replace(value=gathered(var))
+        return "layers" in names and len(names) == var.get_value().ndim  # gathered per layer in the scan
 
-    return jax.tree.map(gather_one, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    def gather_one(var):
+        return var if stacked(var) else var.replace(value=gathered(var))
+
+    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+    active = _ACTIVE.get()
+    if active is None or not active.manual or active.grad_sync is None:
+        return jax.tree.map(gather_one, state, is_leaf=is_var)
+    leaves, treedef = jax.tree.flatten(state, is_leaf=is_var)
+    out, buckets = list(leaves), {}
+    for i, var in enumerate(leaves):
+        if not is_var(var) or stacked(var):
+            continue
+        value = var.get_value()
+        names = _compute_names(var, value)
+        plan = gather_plan(names, active.layout)
+        if jnp.issubdtype(value.dtype, jnp.floating) and any(active.grad_sync.compresses(axes) for _, axes in plan):
+            # one bucket per gather and per type: a bucket's sum varies over every axis one of its
+            # weights varies over (under TP, norm scales do not vary over tensor, the rest do)
+            key = (tuple(axes for _, axes in plan), frozenset(varying_axes(value)))
+            buckets.setdefault(key, []).append((i, value, names, plan))
+        else:
+            out[i] = gather_one(var)
+    for members in buckets.values():
+        values = _compressed_gather([m[1] for m in members], [m[2] for m in members], [m[3] for m in members], active)
+        for (i, *_), value in zip(members, values):
+            out[i] = leaves[i].replace(value=value)
+    return jax.tree.unflatten(treedef, out)
 
 
 def layer_checkpoint(fn, remat: str = "none"):

@@ -37,7 +37,7 @@ def test_exact_scheme_is_psum(mesh, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "butterfly"])
-@pytest.mark.parametrize("scheme, bits", [("dynamiq", 5), ("dynamiq", 8), ("uniform", 8)])
+@pytest.mark.parametrize("scheme, bits", [("dynamiq", 5), pytest.param("dynamiq", 8, marks=pytest.mark.slow), pytest.param("uniform", 8, marks=pytest.mark.slow)])
 def test_every_rank_ends_bit_identical_and_close(mesh, algorithm, scheme, bits):
     x = _heavy_tailed(3000)  # 3000 values: not a multiple of the block or of ranks x block
     fn = lambda v, s: compressed.all_reduce(v, "data", scheme=scheme, bits=bits, algorithm=algorithm, seed=s, min_size=16)  # noqa: E731
@@ -182,7 +182,7 @@ def _accuracy_targets(mesh, x, algorithm):
     assert _vnmse(mesh, x, algorithm=algorithm, bits=8) <= 1e-4
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "butterfly"])
+@pytest.mark.parametrize("algorithm", [pytest.param("ring", marks=pytest.mark.slow), "butterfly"])
 def test_accuracy_on_gradient_like_data(mesh, algorithm):
     _accuracy_targets(mesh, _gradient_like(RANKS * 4096), algorithm)
 

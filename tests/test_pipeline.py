@@ -203,8 +203,8 @@ MLP_CASES = [("gpipe", 4, 4, 1), ("1f1b", 4, 8, 1), ("eager-1f1b", 4, 8, 1), ("i
              ("interleaved-1f1b", 4, 4, 2)]
 
 
-@pytest.mark.parametrize("name, stages, m, chunks", MLP_CASES)
-def test_mlp_matches_one_device(name, stages, m, chunks):
+def mlp_pipeline(name, stages, m, chunks):
+    """(jitted pipelined loss-and-grad, stacked, edge, batch, schedule, mesh) of the MLP."""
     stacked, edge = mlp_params()
     mesh = stage_mesh(stages)
     schedule = sc.make(name, stages, m, chunks)
@@ -212,6 +212,12 @@ def test_mlp_matches_one_device(name, stages, m, chunks):
     batch = jax.device_put(mlp_batch(m), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data")))
     run = jax.jit(lambda s, e, b: pl.pipeline_value_and_grad(
         mlp_stage, s, b, mesh, schedule, first_fn=mlp_first, last_fn=mlp_last, edge_params=e))
+    return run, stacked, edge, batch, schedule, mesh
+
+
+@pytest.mark.parametrize("name, stages, m, chunks", MLP_CASES)
+def test_mlp_matches_one_device(name, stages, m, chunks):
+    run, stacked, edge, batch, _, _ = mlp_pipeline(name, stages, m, chunks)
     loss, grads = run(stacked, edge, batch)
     expected_loss, expected_grads = mlp_oracle(stacked, edge, mlp_batch(m))
     assert_close(loss, expected_loss, "loss")
@@ -224,13 +230,7 @@ def test_stage_traffic_is_collective_permutes(name, chunks):
     """Compiled HLO: over the stage axis, each tick runs one collective-permute of the activation
     forward and one of its gradient backward; the only other stage collectives run once (the
     all-reduce of the edge gradients and loss and, interleaved, the gathers that reorder layers)."""
-    stages, m = 4, 4
-    stacked, edge = mlp_params()
-    mesh = stage_mesh(stages)
-    schedule = sc.make(name, stages, m, chunks)
-    batch = jax.device_put(mlp_batch(m), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data")))
-    run = jax.jit(lambda s, e, b: pl.pipeline_value_and_grad(
-        mlp_stage, s, b, mesh, schedule, first_fn=mlp_first, last_fn=mlp_last, edge_params=e))
+    run, stacked, edge, batch, schedule, mesh = mlp_pipeline(name, 4, 4, chunks)
     cols = [c for c in collectives(run.lower(stacked, edge, batch).compile().as_text(), mesh) if "stage" in c.mesh_axes]
     activation_bytes = BATCH // 2 * WIDTH * 4  # one micro-batch's activation, its batch split over data=2
     per_tick = [(c.kind, c.mesh_axes, c.operand_bytes) for c in cols if c.executions == schedule.ticks]

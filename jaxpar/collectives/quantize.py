@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.rules import varying_axes
+
 GROUP = 32  # values per group: one uint32 word per bit plane
 GROUPS_PER_BLOCK = 8
 BLOCK = GROUP * GROUPS_PER_BLOCK  # values per block scale (256)
@@ -209,7 +211,9 @@ def allocate_bits(group_scale: jax.Array, budget: int) -> jax.Array:
         return jnp.where(fits, lo, mid + 1), jnp.where(fits, mid, hi)
 
     # the smallest positive threshold whose steps fit; +inf (0x7F800000) takes none, so one fits
-    _, t = jax.lax.fori_loop(0, 31, halve, (jnp.int32(1), jnp.int32(0x7F800000)))
+    bounds = (jnp.int32(1), jnp.int32(0x7F800000))
+    varying = tuple(sorted(varying_axes(top)))  # inside shard_map: the carry must vary like the scales
+    _, t = jax.lax.fori_loop(0, 31, halve, jax.lax.pcast(bounds, varying, to="varying") if varying else bounds)
     taken = steps_taken(t)
     tied = (steps_taken(t - 1) > taken) & (rel > 0)  # would widen at the next lower threshold
     left = extra - jnp.sum(taken)

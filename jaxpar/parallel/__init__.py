@@ -15,6 +15,7 @@ rules and its analytic traffic; this module composes them.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import SpecError
@@ -101,4 +102,12 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
         if sharded.get(mapping):
             rules[fsdp.SHARDED_LOGICAL_AXIS] = rules[fsdp.SHARDED_LOGICAL_AXIS] + ("fsdp",)
         stored[mapping] = rules
-    return Layout(mesh, compute, stored["param"], stored["optimizer"], stored["grad"], regather=strategy.regather)
+    dcn_axes: tuple[str, ...] = ()
+    if num_slices > 1:
+        with warnings.catch_warnings():  # make_mesh has already warned about a misplaced axis
+            warnings.simplefilter("ignore")
+            _, dcn = mesh_lib.split_ici_dcn(strategy.spec, num_slices)
+        dcn_axes = tuple(a for a, d in dcn.items() if d > 1)
+    return Layout(
+        mesh, compute, stored["param"], stored["optimizer"], stored["grad"], regather=strategy.regather, dcn_axes=dcn_axes
+    )

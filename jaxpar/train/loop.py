@@ -136,7 +136,8 @@ def run_training(
     batch_of = lambda corpus, step: trainer.put_process_batch(  # noqa: E731
         run.batch_size, lambda a, b: data.local_batch_at(corpus, step, run.batch_size, run.seq_len, run.seed, a, b)
     )
-    losses, times, save_pauses = [], [], []
+    losses, grad_norms, times, save_pauses = [], [], [], []
+    nonfinite = None  # the first step whose loss or gradient norm is NaN or infinite
     bar = _Progress(start, run.steps, progress) if (progress and lead and start < run.steps) else None
     for step in range(start, run.steps):
         batch = batch_of(tokens, step)
@@ -145,6 +146,7 @@ def run_training(
         try:
             state, metrics = compiled(state, batch)
             loss = _scalar(metrics["loss"])  # waits for the step: the time below is the step's own
+            grad_norm = _scalar(metrics["grad_norm"])
         except jax.errors.JaxRuntimeError as err:
             if jax.process_count() == 1:
                 raise
@@ -154,6 +156,10 @@ def run_training(
             ) from err
         times.append(time.perf_counter() - began)
         losses.append(loss)
+        grad_norms.append(grad_norm)
+        if nonfinite is None and not (np.isfinite(loss) and np.isfinite(grad_norm)):
+            nonfinite = {"step": step + 1, "loss": loss, "grad_norm": grad_norm}
+            log(nonfinite_message(nonfinite))  # at once: the summary comes only at the end
         report_progress("done", step + 1)
         if bar:
             bar.update(step + 1, loss, run.batch_size * run.seq_len / times[-1])
@@ -189,6 +195,9 @@ def run_training(
         "seq_len": run.seq_len,
         "seed": run.seed,
         "losses": losses,
+        "grad_norms": grad_norms,
+        "nonfinite": nonfinite,
+        "grad_sync": _grad_sync_report(trainer),
         "step_times_s": times,
         "held_out_loss": held_out_loss,
         "tokens_per_s": tokens_per_s,
@@ -201,6 +210,21 @@ def run_training(
         "communication": comm,
         "checkpoints": {"directory": ckpt.directory, "steps": ckpt.steps(), "save_pause_s": save_pauses} if ckpt else None,
     }
+
+
+def nonfinite_message(nonfinite: dict) -> str:
+    """The words for the first step whose loss or gradient is not finite (the same for every
+    gradient sync: a compressed one turns the blocks around a NaN or inf into NaN, an exact one
+    keeps NaN and inf per element; either way the gradient norm is not finite)."""
+    what = "gradient" if not np.isfinite(nonfinite["grad_norm"]) else "loss"
+    return f"non-finite {what} at step {nonfinite['step']} (loss {nonfinite['loss']:.4g}, gradient norm {nonfinite['grad_norm']:.4g})"
+
+
+def _grad_sync_report(trainer: Trainer) -> dict:
+    sync = trainer.grad_sync
+    if sync is None:
+        return {"name": "exact", "axes": [], "bits": None}
+    return {"name": sync.name, "axes": list(sync.axes), "bits": sync.bits}
 
 
 class _Progress:
@@ -251,12 +275,19 @@ def format_summary(report: dict) -> str:
         f"loss curve (step: loss){f', resumed after step {first}' if first else ''}",
     ]
     if losses:
-        lo, hi = min(losses), max(losses)
+        finite = [x for x in losses if np.isfinite(x)] or [0.0]
+        lo, hi = min(finite), max(finite)
         for i in sorted(set([0] + [round(i * (len(losses) - 1) / 9) for i in range(10)])):
-            bar = "#" * int(1 + 40 * (losses[i] - lo) / max(hi - lo, 1e-9))
+            bar = "#" * int(1 + 40 * (losses[i] - lo) / max(hi - lo, 1e-9)) if np.isfinite(losses[i]) else ""
             lines.append(f"  {first + i + 1:5d}: {losses[i]:7.4f} {bar}")
     else:
         lines.append(f"  (none: the checkpoint is already at step {first} of {report['steps']})")
+    if report.get("nonfinite"):
+        lines.append(nonfinite_message(report["nonfinite"]))
+    sync = report.get("grad_sync") or {"name": "exact"}
+    if sync["name"] != "exact":
+        bits = f", {sync['bits']} bits" if sync["bits"] is not None else ""
+        lines.append(f"gradient sync {sync['name']} over {'+'.join(sync['axes'])}{bits} (the traffic optimum below is for exact sync)")
     if report["checkpoints"]:
         pauses = report["checkpoints"]["save_pause_s"]
         pause = f"; training paused {1000 * float(np.median(pauses)):.0f} ms per save (median)" if pauses else ""

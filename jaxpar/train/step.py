@@ -9,6 +9,11 @@ the gradient is reduced by hand, so every collective is the one the strategy cal
 - axes the optimizer state is sharded over (ZeRO-1): one reduce-scatter at the end;
 - the remaining batch axes (DP, HSDP across groups): all-reduce.
 
+``TrainConfig.grad_sync`` may compress these reductions on the wire (``grad_sync.py``): those over
+a compressed axis are then bucketed (the gradients that share a reduction are summed as one flat
+float32 vector), and the all-reduces, whose results the shard_map's type checks cannot see are the
+same on every device, run in a second, unchecked shard_map together with the clipping.
+
 The optimizer update then runs on the stored shards (optax, outside the shard_map); where weights
 are stored whole but updated in shards (ZeRO-1/2), XLA all-gathers the updated weights.
 """
@@ -28,7 +33,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import LayoutError
-from jaxpar.rules import Layout, gather_params, logical_names, use_layout, varying_axes
+from jaxpar.rules import Layout, gather_params, gather_plan, logical_names, use_layout, varying_axes
+from jaxpar.train import grad_sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +50,10 @@ class TrainConfig:
     grad_reduce_dtype: str = "float32"  # dtype gradients are summed across devices in; explicit, never implied
     microbatches: int = 1  # gradient accumulation steps per optimizer step
     donate: bool = True  # reuse the old state's buffers for the new state
+    grad_sync: str = "exact"  # exact | dynamiq | int8: how gradients are summed across batch axes (grad_sync.py)
+    grad_sync_bits: float | None = None  # dynamiq: average bits per value (None: the collective's default)
+    grad_sync_axes: tuple[str, ...] | None = None  # batch axes to compress (None: those crossing slow links, else all)
+    grad_sync_min_size: int = 4096  # values per device below which a compressed reduction stays exact
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -104,6 +114,9 @@ class Trainer:
                 raise LayoutError(f"weight {'/'.join(map(str, path))} has shape {value.shape} but {len(names)} logical names {names}")
             self.names[path] = names
         self._check_layout(flat)
+        self.grad_sync = grad_sync.resolve(cfg, layout)  # None: exact
+        # compressed all-reduces, one bucket per set of axes: [(axes, [paths])]; other paths are done in the step's shard_map
+        self._buckets, self._done_paths = self._all_reduce_buckets(flat)
         self.param_specs = _nest({p: self._spec(p, "param") for p in flat})
         self.opt_specs_by_param = _nest({p: self._spec(p, "optimizer") for p in flat})
         abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(self.abstract))
@@ -152,6 +165,31 @@ class Trainer:
                     f"batch of {leaf.shape[0]} examples does not split evenly over {shards} = batch axes "
                     f"{self.layout.batch_axes} x {self.cfg.microbatches} micro-batches; use a multiple of {shards}"
                 )
+
+    def _all_reduce_buckets(self, flat):
+        """([(axes, [paths])], other paths): the weights whose final all-reduce is compressed,
+        grouped by its axes. Refuses a sync that would compress nothing."""
+        sync, k = self.grad_sync, self.cfg.microbatches
+        if sync is None:
+            return [], list(flat)
+        buckets: dict[tuple, list] = {}
+        reductions = []  # axes of every reduction that runs once per step, to check something is compressed
+        for path in flat:
+            per_micro, final, rest = self._reduction_plan(path)
+            if k == 1:  # the gather's backward (ZeRO-3) and ZeRO-2's reduce-scatter run once per step too
+                names = [n for n in self.names[path] if n != "layers"]  # gathered one layer at a time
+                reductions += [axes for _, axes in gather_plan(names, self.layout) + per_micro]
+            reductions += [axes for _, axes in final] + [rest]
+            if rest and sync.compresses(rest):
+                buckets.setdefault(rest, []).append(path)
+        if not any(sync.compresses(axes) for axes in reductions):
+            raise LayoutError(
+                f"grad_sync={sync.name!r} would compress nothing: the gradient reductions over {', '.join(sync.axes)} all run "
+                f"inside the micro-batch loop (ZeRO-2/3 reduce-scatters; microbatches={k}), and only the reductions "
+                f"after it are compressed. Use microbatches=1, zero=1, or grad_sync='exact'"
+            )
+        bucketed = {p for paths in buckets.values() for p in paths}
+        return list(buckets.items()), [p for p in flat if p not in bucketed]
 
     # --- state ---------------------------------------------------------------------------
 
@@ -216,9 +254,11 @@ class Trainer:
                     pending = [a for a in pending if a not in new]
         return per_micro, final, tuple(pending)
 
-    def _local_grads(self, params, batch):
-        """Runs on every device inside shard_map: mean loss and fully reduced gradient shards."""
-        layout, cfg = self.layout, self.cfg
+    def _local_grads(self, params, batch, seed=None):
+        """Runs on every device inside shard_map: mean loss and reduced gradient shards (under a
+        compressed sync, the weights in ``self._buckets`` are left for ``grad_fn`` to all-reduce).
+        ``seed``: the compressed sync's dither seed this step."""
+        layout, cfg, sync = self.layout, self.cfg, self.grad_sync
         k = cfg.microbatches
         shards = math.prod(layout.mesh.shape[a] for a in layout.batch_axes) * k
         flat_params = _flatten(params)
@@ -238,6 +278,8 @@ class Trainer:
             return self.loss_fn(model, mb) / shards
 
         def reduce(grads, which):
+            if sync is not None and (which == "final" or k == 1):  # with k > 1 the per-micro-batch ones stay exact
+                return _nest(self._reduce_compressed(_flatten(grads), plans, which, seed))
             out = {}
             for path, g in _flatten(grads).items():
                 per_micro, final, rest = plans[path]
@@ -273,12 +315,42 @@ class Trainer:
                 f"sharded on them without finishing the sum. Mark such sums (row-parallel matmul outputs) "
                 f"with jaxpar.rules.reduce_partial(x, contracted_names, output_names)"
             )
-        grads = reduce(acc, "final")
+        return loss, reduce(acc, "final")
+
+    def _reduce_compressed(self, flat, plans, which, seed):
+        """``reduce`` under a compressed sync: each weight's reduce-scatters of this stage in
+        order, those over a compressed axis bucketed by axes; then (final stage) the all-reduces
+        that stay exact. All-reduces over a compressed axis are left to ``grad_fn``."""
+        sync, rd = self.grad_sync, self._reduce_dtype
+        stages = {p: list(plans[p][0] if which == "micro" else plans[p][1]) for p in flat}
+        round_ = 0
+        while any(stages.values()):
+            buckets: dict[tuple, list] = {}
+            for path, todo in stages.items():
+                if todo:
+                    dim, axes = todo.pop(0)
+                    if sync.compresses(axes):  # a bucket per type too: see rules.gather_params
+                        buckets.setdefault((axes, tuple(sorted(varying_axes(flat[path])))), []).append((path, dim))
+                    else:
+                        flat[path] = jax.lax.psum_scatter(flat[path].astype(rd), axes, scatter_dimension=dim, tiled=True)
+            for (axes, vma), members in buckets.items():
+                shards = sync.reduce_scatter_bucket([(flat[p], dim) for p, dim in members], axes, seed, (which, round_, axes, vma))
+                flat.update(zip([p for p, _ in members], shards))
+            round_ += 1
+        if which == "final":
+            for path, g in flat.items():
+                rest = plans[path][2]
+                if rest and not sync.compresses(rest):
+                    flat[path] = jax.lax.psum(g.astype(rd), rest)
+        return {p: g.astype(jnp.float32) for p, g in flat.items()}
+
+    def _clip(self, grads):
+        """(global norm, gradients clipped to ``cfg.clip_norm``)."""
         norm = self._global_norm(grads)
-        if cfg.clip_norm:
-            scale = jnp.minimum(1.0, cfg.clip_norm / jnp.maximum(norm, 1e-30))
+        if self.cfg.clip_norm:
+            scale = jnp.minimum(1.0, self.cfg.clip_norm / jnp.maximum(norm, 1e-30))
             grads = jax.tree.map(lambda g: g * scale, grads)
-        return loss, norm, grads
+        return norm, grads
 
     def _global_norm(self, grads):
         """Norm of the whole gradient from its shards: each shard's squares summed over the axes it
@@ -295,29 +367,88 @@ class Trainer:
         return jnp.dtype(self.cfg.grad_reduce_dtype)
 
     def grad_fn(self):
-        """(params, batch) -> (loss, gradient norm, clipped gradients laid out like the optimizer
-        state), under the layout."""
-        mesh, layout = self.layout.mesh, self.layout
+        """(params, batch, step=None) -> (loss, gradient norm, clipped gradients laid out like the
+        optimizer state), under the layout. ``step`` seeds a compressed sync's dither (0 if None)."""
+        mesh, layout, sync = self.layout.mesh, self.layout, self.grad_sync
         batch_spec = PartitionSpec(layout.batch_axes or None)
+        replicated = PartitionSpec()
 
-        def run(params, batch):
-            with use_layout(layout, manual=True, compute_dtype=self.cfg.compute_dtype, grad_reduce_dtype=self.cfg.grad_reduce_dtype):
-                return self._local_grads(params, batch)
+        def run(params, batch, seed=None):
+            # ZeRO-3's reduce-scatter (in the gather's backward) is compressed only when it runs once per step
+            in_gather = {"grad_sync": sync, "grad_seed": seed} if sync is not None and self.cfg.microbatches == 1 else {}
+            dtypes = {"compute_dtype": self.cfg.compute_dtype, "grad_reduce_dtype": self.cfg.grad_reduce_dtype}
+            with use_layout(layout, manual=True, **dtypes, **in_gather):
+                return self._local_grads(params, batch, seed)
 
-        def grads(params, batch):
+        def clipped(params, batch, seed=None):
+            loss, grads = run(params, batch, seed)
+            return (loss, *self._clip(grads))
+
+        def grads(params, batch, step=None):
             in_specs = (self.param_specs, jax.tree.map(lambda _: batch_spec, batch))
-            out_specs = (PartitionSpec(), PartitionSpec(), self.opt_specs_by_param)
-            fn = jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-            return fn(params, batch)
+            out_specs = (replicated, replicated, self.opt_specs_by_param)
+            if sync is None:
+                fn = jax.shard_map(clipped, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+                return fn(params, batch)
+            seed = grad_sync.step_seed(0 if step is None else step)
+            if not self._buckets:
+                fn = jax.shard_map(clipped, mesh=mesh, in_specs=in_specs + (replicated,), out_specs=out_specs)
+                return fn(params, batch, seed)
+            return self._compressed_all_reduce(run, in_specs, out_specs)(params, batch, seed)
 
         return grads
+
+    def _compressed_all_reduce(self, run, in_specs, out_specs):
+        """The step's gradients when some all-reduces are compressed, as two shard_maps.
+
+        The first computes the gradients and hands each bucket's unreduced vector out, one row
+        per device. The compressed all-reduce leaves every device with the same bits, but its
+        ppermutes make the result "varying" to shard_map's type checks, which have no cast back;
+        so the second shard_map, unchecked (check_vma=False), all-reduces the buckets, splits them
+        into weights, and computes the norm and the clipping."""
+        mesh, sync = self.layout.mesh, self.grad_sync
+        per_device = PartitionSpec(tuple(a for a in mesh.axis_names if mesh.shape[a] > 1))
+        done_specs = [_at(self.opt_specs_by_param, p) for p in self._done_paths]
+        shapes = {}  # bucket axes -> local shapes of its weights, read while the first map traces
+
+        def local(params, batch, seed):
+            loss, grads = run(params, batch, seed)
+            flat = _flatten(grads)
+            buckets = []
+            for axes, paths in self._buckets:
+                shapes[axes] = [flat[p].shape for p in paths]
+                buckets.append(grad_sync.pack([flat[p] for p in paths])[None])
+            return loss, [flat[p] for p in self._done_paths], buckets
+
+        def synced(done, buckets, seed):
+            flat = dict(zip(self._done_paths, done))
+            for (axes, paths), bucket in zip(self._buckets, buckets):
+                total = sync.all_reduce(bucket[0], axes, seed, ("all-reduce", axes))
+                flat.update(zip(paths, grad_sync.unpack(total, shapes[axes])))
+            return self._clip(_nest(flat))
+
+        bucket_specs = [per_device] * len(self._buckets)
+
+        def fn(params, batch, seed):
+            first = jax.shard_map(
+                local, mesh=mesh, in_specs=in_specs + (PartitionSpec(),),
+                out_specs=(PartitionSpec(), done_specs, bucket_specs),
+            )
+            loss, done, buckets = first(params, batch, seed)
+            second = jax.shard_map(
+                synced, mesh=mesh, in_specs=(done_specs, bucket_specs, PartitionSpec()), out_specs=out_specs[1:],
+                check_vma=False,
+            )
+            return (loss, *second(done, buckets, seed))
+
+        return fn
 
     def step_fn(self):
         """The un-jitted step: (state, batch) -> (state, metrics)."""
         grads_of = self.grad_fn()
 
         def step(state: TrainState, batch):
-            loss, grad_norm, grads = grads_of(state.params, batch)
+            loss, grad_norm, grads = grads_of(state.params, batch, state.step)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             metrics = {"loss": loss, "grad_norm": grad_norm}
@@ -358,6 +489,13 @@ class Trainer:
         ranges = sorted({(index[0].start or 0, batch_size if index[0].stop is None else index[0].stop) for index in held})
         local = np.concatenate([rows(start, stop) for start, stop in ranges])
         return jax.make_array_from_process_local_data(sharding, local, (batch_size,) + local.shape[1:])
+
+
+def _at(tree, path):
+    """The leaf of a pure nested dict at ``path``."""
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
 def _flatten(tree) -> dict:
