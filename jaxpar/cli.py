@@ -29,7 +29,9 @@ def _train_parser(sub):
     p.add_argument("--metrics-json", metavar="PATH", help="write per-step loss and time and the memory and communication report here")
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per optimizer step")
+    p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per optimizer step (with stage=N: pipeline micro-batches)")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b"], help="pipeline schedule when the strategy has stage=N")
+    p.add_argument("--chunks", type=int, default=1, help="layer chunks per stage (interleaved-1f1b: virtual stages per device, >= 2)")
     p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 keeps float32 master weights")
     p.add_argument("--grad-reduce-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype gradients are summed across devices in")
     p.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="what the backward pass recomputes")
@@ -181,6 +183,7 @@ def _train(args) -> int:
         seq_len=args.seq_len, seed=args.seed, remat=args.remat,
         train=TrainConfig(
             learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, microbatches=args.microbatches,
+            schedule=args.schedule, chunks=args.chunks,
             compute_dtype=args.compute_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
             grad_sync=args.grad_sync, grad_sync_bits=args.grad_sync_bits,
             grad_sync_axes=None if args.grad_sync_axes is None else tuple(filter(None, (a.strip() for a in args.grad_sync_axes.split(",")))),

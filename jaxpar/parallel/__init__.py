@@ -101,6 +101,8 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
         rules = {name: axes for name, axes in compute.items() if name not in ("batch", "length", sequence.LOGICAL_AXIS)}
         if sharded.get(mapping):
             rules[fsdp.SHARDED_LOGICAL_AXIS] = rules[fsdp.SHARDED_LOGICAL_AXIS] + ("fsdp",)
+        if strategy.spec.degrees["stage"] > 1:
+            rules["layers"] = ("stage",)  # pipeline: each stage stores its own consecutive layers
         stored[mapping] = rules
     dcn_axes: tuple[str, ...] = ()
     if num_slices > 1:

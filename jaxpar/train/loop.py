@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -19,7 +20,7 @@ from jaxpar.analysis import memory, traffic
 from jaxpar.errors import JaxparError
 from jaxpar.launch import report_progress
 from jaxpar.models import llama
-from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.parallel import build_layout, parse_strategy, pipeline
 from jaxpar.topology import Topology
 from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
@@ -70,7 +71,8 @@ def build_trainer(run: RunConfig, topology: Topology):
     strategy = parse_strategy(run.strategy, len(devices))
     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
     train_cfg = dataclasses.replace(run.train, total_steps=run.steps)
-    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, train_cfg)
+    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, train_cfg,
+                      pipeline=functools.partial(pipeline.llama_pieces, cfg))
     return trainer, strategy, cfg
 
 

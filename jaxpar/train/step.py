@@ -33,6 +33,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import LayoutError
+from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.parallel import schedules
 from jaxpar.rules import Layout, gather_params, gather_plan, logical_names, use_layout, varying_axes
 from jaxpar.train import grad_sync
 
@@ -54,6 +56,8 @@ class TrainConfig:
     grad_sync_bits: float | None = None  # dynamiq: average bits per value (None: the collective's default)
     grad_sync_axes: tuple[str, ...] | None = None  # batch axes to compress (None: those crossing slow links, else all)
     grad_sync_min_size: int = 4096  # values per device below which a compressed reduction stays exact
+    schedule: str = "1f1b"  # pipeline schedule when the mesh has stage > 1 (parallel/schedules.py)
+    chunks: int = 1  # layer chunks per stage (interleaved-1f1b: virtual stages per device)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -101,7 +105,7 @@ class Trainer:
     array (or a pytree of arrays) whose dim 0 is the batch.
     """
 
-    def __init__(self, layout: Layout, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(), optimizer=None):
+    def __init__(self, layout: Layout, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(), optimizer=None, pipeline=None):
         self.layout, self.model_fn, self.loss_fn, self.cfg = layout, model_fn, loss_fn, cfg
         self.optimizer = optimizer or make_optimizer(cfg)
         self.graphdef, self.abstract = abstract_model(model_fn)
@@ -115,6 +119,7 @@ class Trainer:
             self.names[path] = names
         self._check_layout(flat)
         self.grad_sync = grad_sync.resolve(cfg, layout)  # None: exact
+        self.pipeline, self.schedule, self.program = self._pipeline(pipeline)
         # compressed all-reduces, one bucket per set of axes: [(axes, [paths])]; other paths are done in the step's shard_map
         self._buckets, self._done_paths = self._all_reduce_buckets(flat)
         self.param_specs = _nest({p: self._spec(p, "param") for p in flat})
@@ -132,6 +137,23 @@ class Trainer:
         self._step = None
         self._init_programs = None
         self.accumulator_bytes = None  # set when the step is traced
+
+    def _pipeline(self, pieces):
+        """(model split into pipeline pieces, schedule, lowered program) when the mesh has a stage
+        axis; ``pieces(abstract_state)`` gives the split (``pipeline.llama_pieces``)."""
+        stages = dict(self.layout.mesh.shape).get("stage", 1)
+        if stages == 1:
+            return None, None, None
+        if pieces is None:
+            raise LayoutError(f"stage={stages} runs the layers as a pipeline, but this model gives no pipeline pieces; "
+                              f"pass Trainer(..., pipeline=...) (e.g. functools.partial(pipeline.llama_pieces, cfg))")
+        if self.grad_sync is not None:
+            raise LayoutError(f"grad_sync={self.cfg.grad_sync!r} is not supported with a pipeline (stage={stages}) yet; use grad_sync='exact'")
+        split = pieces(self.abstract)
+        schedule = schedules.make(self.cfg.schedule, stages, self.cfg.microbatches, self.cfg.chunks)
+        stacked, _ = split.split(nnx.to_pure_dict(self.abstract))
+        pipeline_lib.layers_per_chunk(jax.tree.leaves(stacked)[0].shape[0], schedule)
+        return split, schedule, pipeline_lib.lower(schedule)
 
     # --- layout checks, before any device memory is touched --------------------------------
 
@@ -290,6 +312,15 @@ class Trainer:
                 out[path] = g.astype(jnp.float32)
             return _nest(out)
 
+        if self.pipeline is not None:  # the schedule runs the micro-batches through the stages
+            stacked, edge = self.pipeline.split(varying)
+            loss, stacked_grads, edge_grads = pipeline_lib.stage_grads(
+                self.program, self.pipeline.pieces, stacked, edge, micro, chunks=cfg.chunks, loss_scale=1.0 / shards)
+            acc = self.pipeline.merge(stacked_grads, edge_grads)
+            self.accumulator_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(acc))
+            loss = jax.lax.psum(loss, layout.batch_axes) if layout.batch_axes else loss
+            return loss, reduce(reduce(acc, "micro"), "final")
+
         def micro_step(acc, mb):
             loss, grads = jax.value_and_grad(objective)(varying, mb)
             grads = reduce(grads, "micro")
@@ -389,6 +420,9 @@ class Trainer:
             out_specs = (replicated, replicated, self.opt_specs_by_param)
             if sync is None:
                 fn = jax.shard_map(clipped, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+                if self.schedule is not None and self.schedule.chunks > 1:  # interleaved: device s holds chunks s, s+S, ...
+                    loss, norm, g = fn(self._reorder(params, pipeline_lib.to_stage_order), batch)
+                    return loss, norm, self._reorder(g, pipeline_lib.to_layer_order)
                 return fn(params, batch)
             seed = grad_sync.step_seed(0 if step is None else step)
             if not self._buckets:
@@ -397,6 +431,10 @@ class Trainer:
             return self._compressed_all_reduce(run, in_specs, out_specs)(params, batch, seed)
 
         return grads
+
+    def _reorder(self, params, order):
+        stacked, edge = self.pipeline.split(params)
+        return self.pipeline.merge(order(stacked, self.schedule), edge)
 
     def _compressed_all_reduce(self, run, in_specs, out_specs):
         """The step's gradients when some all-reduces are compressed, as two shard_maps.
