@@ -6,6 +6,8 @@ entry (|a - b| <= 1e-5 * max|b| + 1e-5 * |b|; measured differences are ~1e-7). P
 cannot match synchronous training, is compared with a single-device simulation of the same stale
 updates written from PipeDream's definition (``simulate_pipedream``), not from the schedule table.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.parallel import pipeline as pl
 from jaxpar.parallel import schedules as sc
-from jaxpar.train.step import abstract_model
+from jaxpar.train.step import TrainConfig, Trainer, abstract_model
 
 AUTO = jax.sharding.AxisType.Auto
 
@@ -345,3 +347,32 @@ def test_llama_matches_one_device(tiny_llama, strategy, name, m, chunks, manual)
         for axis in ("fsdp", "tensor"):
             if layout.mesh.shape[axis] > 1:
                 assert any(c.mesh_axes == (axis,) for c in in_loop), f"no {axis} collective inside the stages"
+
+
+# --- in the Trainer: jaxpar train --strategy "stage=...,..." --schedule ... --------------------------
+
+
+def _train_two_steps(strategy, **options):
+    cfg = llama.CONFIGS["tiny"]
+    tokens = jax.random.randint(jax.random.key(3), (2, 16, 33), 0, cfg.vocab_size)
+    train_cfg = TrainConfig(learning_rate=1e-2, warmup_steps=1, total_steps=2, clip_norm=0.5, microbatches=4, **options)
+    trainer = Trainer(build_layout(parse_strategy(strategy, 8)), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, train_cfg,
+                      pipeline=functools.partial(pl.llama_pieces, cfg))
+    state, losses = trainer.init(0), []
+    for batch in tokens:
+        state, metrics = trainer.step(state, trainer.put_batch(np.asarray(batch)))
+        losses.append(float(metrics["loss"]))
+    return losses, state.params
+
+
+@pytest.mark.parametrize("strategy, options", [
+    ("stage=2,fsdp=2,tensor=2", {"schedule": "1f1b"}),
+    pytest.param("stage=2,fsdp=2,tensor=2,zero=1", {"schedule": "interleaved-1f1b", "chunks": 2}, marks=pytest.mark.slow),
+    pytest.param("stage=2,fsdp=4,zero=2", {"schedule": "eager-1f1b"}, marks=pytest.mark.slow),
+])
+def test_trainer_pipeline_trains_like_the_unpipelined_layout(strategy, options):
+    """Two AdamW steps of the tiny Llama: a pipelined layout against fsdp=4,tensor=2 (fp32)."""
+    want_losses, want = _train_two_steps("fsdp=4,tensor=2")
+    losses, got = _train_two_steps(strategy, **options)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_close(got, want, "parameters after two steps")
