@@ -171,20 +171,22 @@ def _vnmse(mesh, x, **kw):
     return np.sum((out[0] - exact) ** 2) / np.sum(exact**2)
 
 
-def _accuracy_targets(mesh, x, algorithm):
-    """Issue targets at <= 5.5 wire bits: vNMSE <= 2.5e-3 and 5x below the naive per-hop quantizer
-    at equal wire bytes (its 5-bit error scaled by 4^-(5.5 - 5.125), the bits it would gain)."""
-    assert quantize.wire_bits_per_value(compressed.DEFAULT_BITS["dynamiq"], "dynamiq") <= 5.5
+def _accuracy(mesh, x, algorithm):
+    """(dynamiq vNMSE at its default <= 5.5 wire bits, the naive per-hop quantizer's at equal wire
+    bytes — its 5-bit error scaled by 4^-(5.5 - 5.125), the bits it would gain — dynamiq's at 8 bits)."""
     dynamiq = _vnmse(mesh, x, algorithm=algorithm)
     naive = _vnmse(mesh, x, scheme="uniform", bits=5, algorithm=algorithm) * 4.0 ** -(5.5 - quantize.wire_bits_per_value(5, "uniform"))
-    print(f"{algorithm}: dynamiq {dynamiq:.2e}, naive at equal bytes {naive:.2e} ({naive / dynamiq:.1f}x)")
-    assert dynamiq <= 2.5e-3 and naive >= 5 * dynamiq
-    assert _vnmse(mesh, x, algorithm=algorithm, bits=8) <= 1e-4
+    eight = _vnmse(mesh, x, algorithm=algorithm, bits=8)
+    print(f"{algorithm}: dynamiq {dynamiq:.2e}, naive at equal bytes {naive:.2e} ({naive / dynamiq:.1f}x), 8 bits {eight:.2e}")
+    return dynamiq, naive, eight
 
 
 @pytest.mark.parametrize("algorithm", [pytest.param("ring", marks=pytest.mark.slow), "butterfly"])
 def test_accuracy_on_gradient_like_data(mesh, algorithm):
-    _accuracy_targets(mesh, _gradient_like(RANKS * 4096), algorithm)
+    """Issue targets: vNMSE <= 2.5e-3 at <= 5.5 wire bits, 5x below naive at equal bytes, <= 1e-4 at 8 bits."""
+    assert quantize.wire_bits_per_value(compressed.DEFAULT_BITS["dynamiq"], "dynamiq") <= 5.5
+    dynamiq, naive, eight = _accuracy(mesh, _gradient_like(RANKS * 4096), algorithm)
+    assert dynamiq <= 2.5e-3 and naive >= 5 * dynamiq and eight <= 1e-4
 
 
 @pytest.mark.slow
@@ -201,4 +203,5 @@ def test_accuracy_on_tiny_llama_gradients(mesh, algorithm):
     tokens = data.corpus_tokens()
     per_rank = [jnp.concatenate([g.ravel() for g in jax.tree.leaves(grad(state, jnp.asarray(data.batch_at(tokens, r, 4, 64, 0))))])
                 for r in range(RANKS)]
-    _accuracy_targets(mesh, jnp.stack(per_rank), algorithm)
+    dynamiq, naive, eight = _accuracy(mesh, jnp.stack(per_rank), algorithm)
+    assert dynamiq <= 2.5e-3 and naive >= 5 * dynamiq and eight <= 1e-4  # the issue's targets, as above

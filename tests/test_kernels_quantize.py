@@ -58,15 +58,17 @@ def message():
     return tuple(jnp.asarray(a) for a in _messages(GROUPS))
 
 
-def _same_bits(got, want, what):
+def _bit_mismatch(got, want) -> str:
+    """'' when ``got`` and ``want`` hold the same bits, else what differs (shape, dtype or words)."""
     got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"kernel {got.dtype}{list(got.shape)}, twin {want.dtype}{list(want.shape)}"
     bits = np.uint32 if got.dtype.itemsize == 4 else got.dtype
     differ = np.argwhere(got.view(bits) != want.view(bits))
-    assert differ.size == 0, (
-        f"{what}: {len(differ)} words differ from the twin, first at {differ[0].tolist()}: "
-        f"kernel {got[tuple(differ[0])]!r}, twin {want[tuple(differ[0])]!r}"
-    )
+    if differ.size == 0:
+        return ""
+    first = tuple(differ[0])
+    return f"{len(differ)} words differ from the twin, first at {list(first)}: kernel {got[first]!r}, twin {want[first]!r}"
 
 
 def test_fixture_exercises_every_path(message):
@@ -89,7 +91,7 @@ def test_encode_kernel_equals_twin(message, backend, seeded):
     mseed = MSEED if seeded else None
     want = twin_encode(values, gscale, width, mseed, START)
     got = K.encode_groups_kernel(values, gscale, width, mseed, START, backend=backend, interpret=True)
-    _same_bits(got, want, f"{backend} encode")
+    assert _bit_mismatch(got, want) == "", f"{backend} encode: {_bit_mismatch(got, want)}"
 
 
 @pytest.mark.parametrize(
@@ -112,7 +114,7 @@ def test_decode_kernel_equals_twin(message, backend, seeded, accumulate):
     want = twin_decode_ieee(planes, gscale, width, mseed, START, local)
     got = K.decode_groups_kernel(planes, gscale, width, mseed, START, local, backend=backend, interpret=True)
     assert np.isnan(np.asarray(got)[16]).all()  # the NaN-scale group decodes as NaN
-    _same_bits(got, want, f"{backend} decode")
+    assert _bit_mismatch(got, want) == "", f"{backend} decode: {_bit_mismatch(got, want)}"
 
 
 def test_pallas_entry_points_are_the_twins_signatures(message):
@@ -134,9 +136,11 @@ def test_kernels_batch_under_vmap():
     values, gscale, width, _ = (jnp.asarray(a).reshape(2, 200, *a.shape[1:]) for a in _messages(400, seed=5))
     seeds = jax.vmap(lambda c: Q.message_seed(7, 0, c))(jnp.arange(2))
     planes = jax.vmap(lambda *a: K.encode_groups_kernel(*a, START, backend="gpu", interpret=True))(values, gscale, width, seeds)
-    _same_bits(planes, jax.vmap(lambda *a: twin_encode(*a, START))(values, gscale, width, seeds), "vmapped encode")
+    want = jax.vmap(lambda *a: twin_encode(*a, START))(values, gscale, width, seeds)
+    assert _bit_mismatch(planes, want) == "", f"vmapped encode: {_bit_mismatch(planes, want)}"
     decoded = jax.vmap(lambda *a: K.decode_groups_kernel(*a, START, backend="gpu", interpret=True))(planes, gscale, width, seeds)
-    _same_bits(decoded, jax.vmap(lambda *a: twin_decode(*a, START))(planes, gscale, width, seeds), "vmapped decode")
+    want = jax.vmap(lambda *a: twin_decode(*a, START))(planes, gscale, width, seeds)
+    assert _bit_mismatch(decoded, want) == "", f"vmapped decode: {_bit_mismatch(decoded, want)}"
 
 
 def test_kernels_check_their_arguments(message):
@@ -172,7 +176,7 @@ def test_use_kernels_routes_the_whole_message_quantizers():
         runs[impl] = traced[0].lower().compile()(x), traced[1].lower().compile()(x, local)
     (want, want_uniform), (got, got_uniform) = runs["twin"], runs["kernel"]
     for w, g, what in zip(jax.tree.leaves(want), jax.tree.leaves(got), ("words", "codes", "scales", "decoded")):
-        _same_bits(g, w, what)
+        assert _bit_mismatch(g, w) == "", f"{what}: {_bit_mismatch(g, w)}"
     # the accumulate: equal but for the last bit of sums XLA contracts into an FMA (twin_decode_ieee)
     np.testing.assert_allclose(got_uniform, want_uniform, rtol=1e-6, atol=0)
 
@@ -251,10 +255,10 @@ def test_gpu_kernels_equal_twins_on_the_gpu(seeded):
         warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated", DeprecationWarning)
         want = jax.jit(lambda *a: Q.encode_groups(*a, START))(values, gscale, width, mseed)
         got = jax.jit(lambda *a: K.encode_groups_kernel(*a, START, backend="gpu"))(values, gscale, width, mseed)
-        _same_bits(got, want, "gpu encode")
+        assert _bit_mismatch(got, want) == "", f"gpu encode: {_bit_mismatch(got, want)}"
         planes = jax.device_put(np.random.default_rng(4).integers(0, 2**32, size=(40_000, Q.MAX_BITS), dtype=np.uint32), gpu)
         for acc in (local, None):
             want = twin_decode_ieee(planes, gscale, width, mseed, START, acc)
             kernel = jax.jit(lambda p, s, w, m, x: K.decode_groups_kernel(p, s, w, m, START, x, backend="gpu"))
             got = kernel(planes, gscale, width, mseed, acc)
-            _same_bits(got, want, f"gpu decode ({'with' if acc is not None else 'without'} local)")
+            assert _bit_mismatch(got, want) == "", f"gpu decode, local={acc is not None}: {_bit_mismatch(got, want)}"

@@ -25,13 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.collectives import compressed
-
-_GOLDEN = np.uint32(0x9E3779B9)  # odd multiplier: distinct (seed, i) give distinct seeds
-
+from jaxpar.collectives.quantize import GOLDEN
 
 def fold_seed(seed, i: int):
     """A seed for the i-th of several compressed collectives sharing ``seed`` (int or traced)."""
-    return jnp.asarray(seed).astype(jnp.uint32) * _GOLDEN + np.uint32(i)
+    return jnp.asarray(seed).astype(jnp.uint32) * GOLDEN + np.uint32(i)  # odd multiplier: distinct (seed, i), distinct seeds
 
 
 def _size(axes: Sequence[str]) -> int:

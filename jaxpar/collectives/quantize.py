@@ -75,15 +75,15 @@ def _levels(width):
     return 2.0 ** (width - 1) - 1.0
 
 
-def _step(group_scale, width):
+def group_step(group_scale, levels):
     """Quantization step of a group: its range spread over L - 1/2 steps, which leaves room for the
-    dither; 1 for an empty group so that nothing divides by zero."""
-    return jnp.where(group_scale > 0, group_scale / (_levels(width) - 0.5), 1.0)
+    dither; 1 for an empty group so that nothing divides by zero. (The kernels use it too.)"""
+    return jnp.where(group_scale > 0, group_scale / (levels - 0.5), 1.0)
 
 
 # --- the shared dither: a counter hash both ends (and a kernel) can compute -----------------------
 
-_GOLDEN = np.uint32(0x9E3779B9)
+GOLDEN = np.uint32(0x9E3779B9)
 
 
 def mix32(h: jax.Array) -> jax.Array:
@@ -99,7 +99,7 @@ def message_seed(seed, hop, chunk) -> jax.Array:
     """uint32 seed of one message, from the run's seed, the hop and the chunk it carries (any of
     them may be traced: a chunk id often depends on the rank)."""
     u = lambda v: jnp.asarray(v).astype(jnp.uint32)  # noqa: E731
-    return mix32(mix32(mix32(u(seed)) ^ (u(hop) * _GOLDEN)) + u(chunk))
+    return mix32(mix32(mix32(u(seed)) ^ (u(hop) * GOLDEN)) + u(chunk))
 
 
 def dither(mseed: jax.Array, start, shape) -> jax.Array:
@@ -117,7 +117,7 @@ def dither(mseed: jax.Array, start, shape) -> jax.Array:
 def dither_at(mseed: jax.Array, index: jax.Array) -> jax.Array:
     """The dither of the values at uint32 ``index`` (their position in the message): the one
     definition ``dither`` and the Pallas kernels (on their own index tiles) share."""
-    h = mix32(mix32(index * _GOLDEN + mseed) ^ mseed)
+    h = mix32(mix32(index * GOLDEN + mseed) ^ mseed)
     # h >> 8 < 2^24, so going through int32 is exact; Mosaic (TPU) cannot convert uint32 to float
     return (h >> 8).astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-24) - np.float32(0.5)
 
@@ -130,8 +130,8 @@ def encode_groups(values, group_scale, width, mseed, start=0) -> jax.Array:
 
     ``mseed`` None: nearest rounding, no dither. ``start``: index of the first value in the
     message, for the dither."""
-    step = _step(group_scale, width)[:, None]
     levels = _levels(width)[:, None]
+    step = group_step(group_scale[:, None], levels)
     d = 0.0 if mseed is None else dither(mseed, start, values.shape)
     # |value| <= group scale = (L - 1/2) steps and |d| <= 1/2, so |q| <= L: the clip never binds
     q = jnp.clip(jnp.round(values / step + d), -levels, levels)
@@ -153,7 +153,7 @@ def decode_groups(planes, group_scale, width, mseed, start=0, local=None) -> jax
     d = 0.0 if mseed is None else dither(mseed, start, unsigned.shape)
     q = unsigned.astype(jnp.float32) - levels - d
     scale = group_scale[:, None]
-    values = jnp.where(scale > 0, q * _step(group_scale, width)[:, None], 0.0 * scale)
+    values = jnp.where(scale > 0, q * group_step(scale, levels), 0.0 * scale)
     return values if local is None else values + local
 
 

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxpar.collectives.quantize import GROUP, MAX_BITS, dither_at, set_group_impl
+from jaxpar.collectives.quantize import GROUP, MAX_BITS, dither_at, group_step, set_group_impl
 
 LANES = 128
 GROUPS_PER_ROW = LANES // GROUP  # 4 groups per 128-lane row (TPU layout)
@@ -68,10 +68,6 @@ def _levels(width):
     return jax.lax.bitcast_convert_type((width + 126) << 23, jnp.float32) - 1.0
 
 
-def _step(scale, levels):
-    return jnp.where(scale > 0, scale / (levels - 0.5), 1.0)  # the twins' _step, same operations
-
-
 def _round_even(x, backend):
     """jnp.round's round-half-to-even (inf and NaN pass through)."""
     if backend == "tpu":
@@ -88,7 +84,7 @@ def _round_even(x, backend):
 def _codes(v, scale, width, d, backend):
     """float32 values -> int32 codes q + L in [0, 2L] (the twins' ``unsigned``)."""
     levels = _levels(width)
-    x = v / _step(scale, levels)
+    x = v / group_step(scale, levels)
     if d is not None:
         x = x + d
     r = jnp.minimum(jnp.maximum(_round_even(x, backend), -levels), levels)
@@ -103,7 +99,7 @@ def _values(u, scale, width, d):
     x = u.astype(jnp.float32) - levels
     if d is not None:
         x = x - d
-    return jnp.where(scale > 0, x * _step(scale, levels), 0.0 * scale)
+    return jnp.where(scale > 0, x * group_step(scale, levels), 0.0 * scale)
 
 
 def _dither(seeds, index):

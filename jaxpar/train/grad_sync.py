@@ -31,10 +31,9 @@ import zlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import PartitionSpec
 
 from jaxpar.collectives import compressed, hierarchical
+from jaxpar.collectives.quantize import check_bits
 from jaxpar.errors import JaxparError, LayoutError
 
 # name -> (scheme of collectives.compressed, bits; None = the scheme's default)
@@ -156,20 +155,8 @@ def resolve(cfg, layout) -> GradSync | None:
                 f"{', '.join(batch)}; {'drop ' + ', '.join(map(repr, wrong)) if wrong else 'name at least one'} "
                 f"(or leave it unset for the default: the axes that cross slow links, else all)"
             )
-    sync = GradSync(cfg.grad_sync, scheme, bits, axes, cfg.grad_sync_min_size)
-    _check_collective(sync, layout)
-    return sync
-
-
-def _check_collective(sync: GradSync, layout):
-    """Trace the collective once on abstract values (no device memory) so that bits it refuses
-    are an error now, in words, rather than a trace failure after the state is allocated."""
-    axis = sync.axes[0]
-    fn = jax.shard_map(
-        lambda x: compressed.all_reduce(x, axis, scheme=sync.scheme, bits=sync.bits, seed=0, min_size=1),
-        mesh=layout.mesh, in_specs=PartitionSpec(axis), out_specs=PartitionSpec(axis), check_vma=False,
-    )
     try:
-        jax.eval_shape(fn, jax.ShapeDtypeStruct((layout.mesh.shape[axis] * 256,), np.float32))
+        check_bits(compressed.DEFAULT_BITS[scheme] if bits is None else bits, scheme)
     except ValueError as err:
-        raise JaxparError(f"grad_sync={sync.name!r} with grad_sync_bits={sync.bits}: {err}; change --grad-sync-bits") from None
+        raise JaxparError(f"grad_sync={cfg.grad_sync!r} with grad_sync_bits={bits}: {err}; change --grad-sync-bits") from None
+    return GradSync(cfg.grad_sync, scheme, bits, axes, cfg.grad_sync_min_size)

@@ -446,7 +446,8 @@ class Trainer:
         into weights, and computes the norm and the clipping."""
         mesh, sync = self.layout.mesh, self.grad_sync
         per_device = PartitionSpec(tuple(a for a in mesh.axis_names if mesh.shape[a] > 1))
-        done_specs = [_at(self.opt_specs_by_param, p) for p in self._done_paths]
+        specs = _flatten(self.opt_specs_by_param)
+        done_specs = [specs[p] for p in self._done_paths]
         shapes = {}  # bucket axes -> local shapes of its weights, read while the first map traces
 
         def local(params, batch, seed):
@@ -527,13 +528,6 @@ class Trainer:
         ranges = sorted({(index[0].start or 0, batch_size if index[0].stop is None else index[0].stop) for index in held})
         local = np.concatenate([rows(start, stop) for start, stop in ranges])
         return jax.make_array_from_process_local_data(sharding, local, (batch_size,) + local.shape[1:])
-
-
-def _at(tree, path):
-    """The leaf of a pure nested dict at ``path``."""
-    for key in path:
-        tree = tree[key]
-    return tree
 
 
 def _flatten(tree) -> dict:
