@@ -485,6 +485,25 @@ def _stage_manual_program(mesh, program, model, schedule, ordered, edge_params, 
                          out_specs=(PartitionSpec(), stage_spec, edge_spec), axis_names={STAGE_AXIS})
 
 
+def batch_shards(layout: Layout) -> int:
+    """Devices the batch is split over (each computes the mean loss of its own shard)."""
+    return int(np.prod([layout.mesh.shape[a] for a in layout.batch_axes]))
+
+
+def sum_over_batch(layout: Layout, grads, names):
+    """Inside an all-manual ``shard_map``: gradients computed per batch shard, summed over the
+    batch axes each weight still needs, i.e. all but those its gather's backward has already
+    reduce-scattered over (stored sharded there, computed whole). ``names``: the weights' logical
+    names, shaped like ``grads``."""
+    def unreduced(names_):
+        gathered = {a for n in names_ if n != "layers" for a in layout.axes_of(n, "param")
+                    if a not in layout.axes_of(n, "compute")}
+        return tuple(a for a in layout.batch_axes if a not in gathered)
+
+    return jax.tree.map(lambda g, n: jax.lax.psum(g, unreduced(n)) if unreduced(n) else g, grads, names,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
 def _all_manual_program(layout, names, program, model, schedule):
     """``pipeline_value_and_grad``'s shard_map when every axis is manual (``layout=``)."""
     if names is None:
@@ -494,18 +513,6 @@ def _all_manual_program(layout, names, program, model, schedule):
     stage_spec = jax.tree.map(lambda n: _stage_spec(layout, n), stage_names, is_leaf=is_names)
     edge_spec = jax.tree.map(lambda n: layout.spec(n, "param"), edge_names, is_leaf=is_names)
     batch_axes = layout.batch_axes
-    shards = int(np.prod([layout.mesh.shape[a] for a in batch_axes]))
-
-    def unreduced(names_):
-        """Batch axes a weight's gradient still has to be summed over: all but those its gather's
-        backward reduce-scattered over (stored sharded, computed whole)."""
-        gathered = {a for n in names_ if n != "layers" for a in layout.axes_of(n, "param")
-                    if a not in layout.axes_of(n, "compute")}
-        return tuple(a for a in batch_axes if a not in gathered)
-
-    def sum_over_batch(grads, names_):
-        return jax.tree.map(lambda g, n: jax.lax.psum(g, unreduced(n)) if unreduced(n) else g, grads, names_,
-                            is_leaf=is_names)
 
     def body(params, edge, batch):
         # weights vary over the batch axes: autodiff then gives each device its unreduced gradient
@@ -514,9 +521,9 @@ def _all_manual_program(layout, names, program, model, schedule):
         edge = jax.tree.map(lambda e: _vary(e, set(batch_axes)), edge)
         with use_layout(layout, manual=True):
             loss, grads, edge_grads = stage_grads(program, model, params, edge, batch, chunks=schedule.chunks,
-                                                  loss_scale=1.0 / (schedule.microbatches * shards))
+                                                  loss_scale=1.0 / (schedule.microbatches * batch_shards(layout)))
         loss = jax.lax.psum(loss, batch_axes) if batch_axes else loss
-        return loss, sum_over_batch(grads, stage_names), sum_over_batch(edge_grads, edge_names)
+        return loss, sum_over_batch(layout, grads, stage_names), sum_over_batch(layout, edge_grads, edge_names)
 
     def fn(params, edge, batch):
         batch_spec = jax.tree.map(lambda _: PartitionSpec(None, batch_axes or None), batch)
