@@ -1,5 +1,6 @@
 """Communication and memory of each strategy, measured on the compiled step, against the analytic
 optimum and the ZeRO table (both within 2%); no collective kind the strategy does not call for."""
+import functools
 import re
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from jaxpar.analysis import memory, traffic
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.parallel import pipeline as pl
 from jaxpar.train.step import TrainConfig, Trainer
 
 TINY = llama.CONFIGS["tiny"]
@@ -15,7 +17,9 @@ BATCH, SEQ = 16, 32
 
 def compiled(strategy_text, cfg=TrainConfig(), model_cfg=TINY):
     strategy = parse_strategy(strategy_text, 8)
-    trainer = Trainer(build_layout(strategy), lambda r: llama.Llama(model_cfg, rngs=r), llama.loss_fn, cfg)
+    pieces = functools.partial(pl.llama_pieces, model_cfg) if strategy.spec.degrees["stage"] > 1 else None
+    trainer = Trainer(build_layout(strategy), lambda r: llama.Llama(model_cfg, rngs=r), llama.loss_fn, cfg,
+                      pipeline=pieces)
     batch = trainer.abstract_batch(BATCH, SEQ)
     step = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
     return strategy, trainer, step
@@ -94,3 +98,24 @@ def test_zero_table_bytes_per_parameter():
     strategy, trainer, _ = compiled("fsdp=8,zero=2")
     table = memory.zero_table(trainer, strategy.zero_stage)
     assert table == pytest.approx({"parameters": 4 * psi, "gradient_accumulation": 4 * psi / 8, "optimizer": 8 * psi / 8})
+
+
+def test_pipeline_memory_and_stage_traffic():
+    """stage=2: each stage stores half the layers (the ZeRO table divides them by stage); over
+    stage, one activation per forward and one gradient per backward is the optimum, and the
+    lockstep executor sends both every tick, ticks / m times as much; the edge weights' gradients
+    are summed over stage once."""
+    m = 4
+    strategy, trainer, step = compiled("stage=2,fsdp=2,tensor=2", TrainConfig(microbatches=m, schedule="1f1b"))
+    measured = memory.measured_memory(trainer, step)
+    table = memory.zero_table(trainer, strategy.zero_stage)
+    for kind in ("parameters", "gradient_accumulation", "optimizer"):
+        assert measured[kind] == pytest.approx(table[kind], rel=0.02), (kind, measured[kind], table[kind])
+    report = traffic.compare(step.as_text(), trainer, strategy, (BATCH, SEQ), TINY)
+    activation = BATCH // (m * 2) * SEQ * TINY.embed * 4  # a micro-batch's rows on one device, float32
+    assert report["collective-permute"]["optimal_bytes"] == 2 * m * activation
+    assert report["by_axes"]["collective-permute over stage"]["bytes_per_device"] == 2 * trainer.schedule.ticks * activation
+    # embedding and head split over tensor, all three edge weights stored split over fsdp (ZeRO-3)
+    edge = (2 * TINY.vocab_size * TINY.embed / 2 + TINY.embed) / 2
+    assert report["by_axes"]["all-reduce over stage"]["bytes_per_device"] == pytest.approx(edge * 4, rel=0.02)
+    assert "upper bound" in report["note"]

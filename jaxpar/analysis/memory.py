@@ -24,14 +24,17 @@ _STAGE_THAT_SHARDS = {"optimizer": 1, "gradient_accumulation": 2, "parameters": 
 
 
 def tensor_local_params(trainer, only_layers: bool = False) -> float:
-    """Weights one device holds after tensor parallelism (no data-parallel sharding); with
-    ``only_layers``, just the stacked layer weights (logical axis ``layers``)."""
+    """Weights one device holds after tensor parallelism and the pipeline (a stage stores only its
+    own layers) divide them, before any data-parallel sharding; with ``only_layers``, just the
+    stacked layer weights (logical axis ``layers``)."""
     layout, total = trainer.layout, 0.0
     for path, names in trainer.names.items():
         if only_layers and "layers" not in names:
             continue
         numel = math.prod(trainer.abstract_leaf(path).shape)
         ways = math.prod(layout.mesh.shape[a] for n in names for a in layout.axes_of(n, "compute") if a != "fsdp")
+        if "layers" in names:
+            ways *= math.prod(layout.mesh.shape[a] for a in layout.axes_of("layers", "param"))
         total += numel / ways
     return total
 

@@ -38,7 +38,9 @@ def optimal_traffic_by_axis(trainer, strategy, batch_shape, model_cfg=None) -> d
     psi = tensor_local_params(trainer)
     f, r, t = mesh["fsdp"], mesh["data"], mesh["tensor"]
     total: dict[tuple[str, str], float] = {}
-    regathered = tensor_local_params(trainer, only_layers=True) if strategy.regather else 0.0
+    # a pipeline's backward recomputes each stage's forward, gathering its layers again
+    pipelined = trainer.schedule is not None
+    regathered = tensor_local_params(trainer, only_layers=True) if strategy.regather or pipelined else 0.0
     _add(total, "fsdp", fsdp.traffic(psi, f, strategy.zero_stage, cfg.microbatches, cb, rb, 4, regathered))
     if r > 1:
         reduced = hsdp.cross_group_bytes(psi * rb, r, f) if f > 1 else data.grad_allreduce_bytes(psi * rb, r)
@@ -57,7 +59,29 @@ def optimal_traffic_by_axis(trainer, strategy, batch_shape, model_cfg=None) -> d
             _add(total, "tensor", {"all-reduce": passes * data.grad_allreduce_bytes(activation, t)})
         # vocab-parallel cross-entropy: max, sum of exponentials and target logit per token
         _add(total, "tensor", {"all-reduce": 3 * data.grad_allreduce_bytes(local_tokens * 4, t)})
+    if pipelined:
+        # ZeRO-3's gathers have reduce-scattered the edge gradients over fsdp before the stage sum
+        edge_shards = f if strategy.zero_stage == 3 else 1
+        _add(total, "stage", _stage_traffic(trainer, batch_shape, model_cfg, cb, rb, edge_shards))
     return total
+
+
+def _stage_traffic(trainer, batch_shape, model_cfg, cb: int, rb: int, edge_shards: int) -> dict[str, float]:
+    """Over ``stage``: each device sends the output of each forward it runs to the next stage
+    and the input gradient of each backward to the previous one (m x chunks of each), and the
+    edge weights' gradients (embedding, head; ``edge_shards`` ways split) are summed over the
+    stages once."""
+    layout, schedule = trainer.layout, trainer.schedule
+    out = {}
+    if model_cfg is not None:
+        batch, length = batch_shape
+        ways = lambda name: math.prod(layout.mesh.shape[a] for a in layout.axes_of(name))  # noqa: E731
+        rows = batch // (schedule.microbatches * ways("batch"))
+        activation = rows * length // ways("residual_length") * model_cfg.embed * cb
+        out["collective-permute"] = 2 * schedule.microbatches * schedule.chunks * activation
+    edge = tensor_local_params(trainer) - tensor_local_params(trainer, only_layers=True)
+    out["all-reduce"] = data.grad_allreduce_bytes(edge / edge_shards * rb, schedule.stages)
+    return out
 
 
 def optimal_traffic(trainer, strategy, batch_shape, model_cfg=None) -> dict[str, float]:
@@ -90,5 +114,8 @@ def compare(compiled_text: str, trainer, strategy, batch_shape, model_cfg=None) 
             "ratio": (m / o) if o else (math.inf if m else 1.0),
         }
     report["scalar all-reduce"] = {"count": sum(c.executions for c in scalars), "measured_bytes": sum(c.bytes_per_step for c in scalars)}
+    if trainer.schedule is not None:
+        report["note"] = ("the pipeline's collectives inside its per-tick switch are counted in every branch on "
+                          "every tick: an upper bound; the optimum counts what the schedule runs")
     report["by_axes"] = {f"{k[0]} over {'+'.join(k[1]) or '-'}": v for k, v in hlo.by_axes(counted).items()}
     return report

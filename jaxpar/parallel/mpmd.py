@@ -97,11 +97,12 @@ def _copy_to(tree, shardings):
     return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StageWeights:
     """Weights (or gradients, or optimizer states) as the stages hold them: ``chunks[s][j]`` is
     stage s's chunk j (virtual stage j*S + s), ``edge[s]`` stage s's copy of the edge weights
-    (only the stages of the first and the last virtual stage hold one)."""
+    (only the stages of the first and the last virtual stage hold one). A pytree."""
 
     chunks: list[list[Any]]
     edge: dict[int, Any]

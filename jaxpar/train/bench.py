@@ -36,7 +36,7 @@ def bench(run: RunConfig, topology: Topology, strategies=STRATEGIES, progress=sy
         if progress:
             progress.write(f"[{index}/{len(strategies)}] {text}: {time.perf_counter() - start:.0f} s (compile, {run.steps} steps, analysis)\n")
             progress.flush()
-        comm = {k: v for k, v in report["communication"].items() if k not in ("by_axes", "scalar all-reduce")}
+        comm = {k: v for k, v in report["communication"].items() if k not in ("by_axes", "scalar all-reduce", "note")}
         measured = report["memory"]["measured_bytes_per_device"]
         table = report["memory"]["zero_table_bytes_per_device"]
         rows.append({

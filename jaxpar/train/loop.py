@@ -309,11 +309,13 @@ def format_summary(report: dict) -> str:
     lines += ["", "collectives per step       count   bytes/device        optimum   ratio"]
     comm = report["communication"]
     for kind, row in comm.items():
-        if kind in ("by_axes", "scalar all-reduce"):
+        if kind in ("by_axes", "scalar all-reduce", "note"):
             continue
         lines.append(f"  {kind:22s} {row['count']:7d} {row['measured_bytes']:14,.0f} {row['optimal_bytes']:14,.0f} {row['ratio']:7.3f}")
     scalars = comm["scalar all-reduce"]
     lines.append(f"  {'scalar all-reduce':22s} {scalars['count']:7d} {scalars['measured_bytes']:14,.0f}   (loss, gradient norm)")
     for name, row in comm["by_axes"].items():
         lines.append(f"    {name:32s} x{row['count']:<5d} {row['bytes_per_device']:14,.0f}")
+    if "note" in comm:
+        lines.append(f"  ({comm['note']})")
     return "\n".join(lines)
