@@ -39,7 +39,10 @@ COMMUNICATION = {
 }
 
 
-@pytest.mark.parametrize("strategy_text", list(COMMUNICATION))
+QUICK = ("data=8", "fsdp=8", "data=2,fsdp=4", "data=2,tensor=4,sp=on", "data=2,fsdp=2,tensor=2")
+
+
+@pytest.mark.parametrize("strategy_text", [s if s in QUICK else pytest.param(s, marks=pytest.mark.slow) for s in COMMUNICATION])
 def test_collective_bytes_match_the_analytic_optimum(strategy_text):
     strategy, trainer, step = compiled(strategy_text)
     report = traffic.compare(step.as_text(), trainer, strategy, (BATCH, SEQ), TINY)
@@ -51,6 +54,7 @@ def test_collective_bytes_match_the_analytic_optimum(strategy_text):
     assert report["scalar all-reduce"]["measured_bytes"] < 64
 
 
+@pytest.mark.slow
 def test_fsdp_traffic_is_2_or_3_parameter_passes():
     # independent of the model's structure: Psi_b = weights x 4 bytes, N = 8
     psi_bytes = TINY.num_params() * 4
@@ -82,7 +86,10 @@ def test_bf16_compute_gathers_in_bf16_and_reduces_in_fp32():
     assert report["all-gather"]["ratio"] == pytest.approx(1.0, abs=0.02)
 
 
-@pytest.mark.parametrize("strategy_text", ["data=8", "fsdp=8,zero=1", "fsdp=8,zero=2", "fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2"])
+@pytest.mark.parametrize("strategy_text", [pytest.param("data=8", marks=pytest.mark.slow),
+                                           pytest.param("fsdp=8,zero=1", marks=pytest.mark.slow),
+                                           "fsdp=8,zero=2", "fsdp=8", "data=2,fsdp=4",
+                                           pytest.param("fsdp=4,tensor=2", marks=pytest.mark.slow)])
 def test_memory_follows_the_zero_table(strategy_text):
     # two micro-batches, so the step really carries a gradient accumulation buffer
     strategy, trainer, step = compiled(strategy_text, TrainConfig(microbatches=2))

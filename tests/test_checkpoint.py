@@ -35,6 +35,7 @@ def _live_ids():
     return {id(a) for a in jax.live_arrays()}
 
 
+@pytest.mark.slow
 def test_saves_every_k_steps_and_the_last(saved, tmp_path):
     directory, report = saved
     assert report["checkpoints"]["steps"] == [2, 4]

@@ -95,18 +95,19 @@ def llama_oracle(tokens):
     return oracle(llama_model, llama.loss_fn, batches(tokens))
 
 
+_slow = pytest.mark.slow  # still run by the README's test command; left out of `-m "not slow"`
 LAYOUTS = [
-    "data=8",  # DP
+    pytest.param("data=8", marks=_slow),  # DP
     "fsdp=8",  # FSDP = ZeRO-3
-    "fsdp=8,zero=1",
+    pytest.param("fsdp=8,zero=1", marks=_slow),
     "fsdp=8,zero=2",
-    "data=2,fsdp=4",  # HSDP
-    "data=2,tensor=4",  # TP
+    pytest.param("data=2,fsdp=4", marks=_slow),  # HSDP
+    pytest.param("data=2,tensor=4", marks=_slow),  # TP
     "data=2,tensor=4,sp=on",  # TP + SP
-    "fsdp=4,tensor=2",
-    "data=2,fsdp=2,tensor=2",  # HSDP with TP
+    pytest.param("fsdp=4,tensor=2", marks=_slow),
+    pytest.param("data=2,fsdp=2,tensor=2", marks=_slow),  # HSDP with TP
     "data=2,fsdp=2,tensor=2,sp=on",
-    "fsdp=8,regather=on",
+    pytest.param("fsdp=8,regather=on", marks=_slow),
 ]
 
 

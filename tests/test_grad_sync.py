@@ -145,7 +145,7 @@ def test_exact_sync_sends_float32_all_reduces_only():
 @pytest.mark.parametrize(
     "strategy, compressed_axes, replicated",  # replicated: some gradient shard is held by several devices
     [("data=8", {"data"}, True), pytest.param("data=2,fsdp=4", {"data", "fsdp"}, True, marks=pytest.mark.slow),
-     ("fsdp=8", {"fsdp"}, False), pytest.param("fsdp=4,tensor=2", {"fsdp"}, True, marks=pytest.mark.slow)],  # TP: norm scales are copied over tensor, the other weights split
+     pytest.param("fsdp=8", {"fsdp"}, False, marks=pytest.mark.slow), pytest.param("fsdp=4,tensor=2", {"fsdp"}, True, marks=pytest.mark.slow)],  # TP: norm scales are copied over tensor, the other weights split
 )
 def test_dynamiq_gradients_are_close_identical_everywhere_and_smaller_on_the_wire(strategy, compressed_axes, replicated):
     loss, norm, grads = gradients(strategy, "dynamiq")
@@ -245,6 +245,7 @@ def test_hierarchical_reduce_scatter_matches_psum_scatter(pod):
     assert {(c.kind, c.mesh_axes) for c in cols} == {("reduce-scatter", ("fast",)), ("collective-permute", ("slow",))}
 
 
+@pytest.mark.slow
 def test_hsdp_on_two_slices_compresses_only_the_axis_between_them():
     trainer, _, fn = compiled("data=2,fsdp=4", "dynamiq", num_slices=2)
     assert trainer.layout.dcn_axes == ("data",) and trainer.grad_sync.axes == ("data",)
@@ -271,6 +272,7 @@ def test_a_nan_gradient_shows_as_a_non_finite_norm_on_every_path():
     assert np.isnan(compressed[~np.isfinite(exact)]).all()  # never a finite value where exact is not
 
 
+@pytest.mark.slow
 def test_the_main_job_reports_the_first_non_finite_step():
     # a learning rate of 1e30 blows the weights up at the first update (step 2: warm-up starts at 0)
     cfg = TrainConfig(learning_rate=1e30, warmup_steps=1)

@@ -33,6 +33,7 @@ def test_report_measures_against_the_formulas(report):
     assert report["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_cli_writes_metrics_json(tmp_path, capsys):
     path = tmp_path / "out" / "metrics.json"
     code = cli.main(["train", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--strategy", "data=2,fsdp=4", "--metrics-json", str(path)])

@@ -90,6 +90,7 @@ def one_process(tmp_path_factory):
     return directory, report
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(two_processes, one_process):
     (root, report), (one_dir, one) = two_processes, one_process
     assert report["processes"] == 2 and one["processes"] == 1 and report["mesh"]["fsdp"] == 8
@@ -105,6 +106,7 @@ def test_two_processes_train_like_one(two_processes, one_process):
         assert report["communication"][kind]["ratio"] == pytest.approx(1.0, abs=0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, topology", [("data=2,tensor=4", "cpu-8"), ("fsdp=4", "cpu-4")])
 def test_two_process_checkpoint_restores_in_one_process(two_processes, strategy, topology):
     root, _ = two_processes

@@ -376,3 +376,11 @@ def test_trainer_pipeline_trains_like_the_unpipelined_layout(strategy, options):
     losses, got = _train_two_steps(strategy, **options)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert_close(got, want, "parameters after two steps")
+
+
+def test_trainer_refuses_the_asynchronous_schedule():
+    cfg = llama.CONFIGS["tiny"]
+    with pytest.raises(LayoutError, match=r"'pipedream' updates each stage's weights after every micro-batch.*"
+                                          r"pipeline.pipedream_train"):
+        Trainer(build_layout(parse_strategy("stage=2,data=4", 8)), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn,
+                TrainConfig(schedule="pipedream", microbatches=4), pipeline=functools.partial(pl.llama_pieces, cfg))

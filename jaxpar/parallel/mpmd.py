@@ -45,8 +45,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.collectives.reshard import compile_reshard
 from jaxpar.errors import LayoutError
 from jaxpar.parallel import build_layout, parse_strategy
-from jaxpar.parallel.pipeline import (PipelineModel, _microbatched, _num_layers, _vary, batch_shards, layers_per_chunk,
-                                      sum_over_batch)
+from jaxpar.parallel.pipeline import (PipelineModel, batch_shards, check_microbatches, layers_per_chunk, stacked_layers,
+                                      sum_over_batch, vary_over)
 from jaxpar.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
 from jaxpar.rules import Layout, use_layout
 
@@ -159,7 +159,7 @@ class MPMDPipeline:
         by its layout's stored (``param``) mapping. Always copies (``apply_gradients`` donates
         the placed weights; the caller's arrays stay valid)."""
         S, v = self.schedule.stages, self.schedule.chunks
-        k = layers_per_chunk(_num_layers(stage_params), self.schedule)
+        k = layers_per_chunk(stacked_layers(stage_params), self.schedule)
         chunks = []
         for s in range(S):
             mine = [jax.tree.map(lambda x, j=j: x[(j * S + s) * k:(j * S + s + 1) * k], stage_params) for j in range(v)]
@@ -215,13 +215,13 @@ class MPMDPipeline:
                 with use_layout(layout, manual=True):
                     return apply(chunk, edge, x, mb)
 
-            fn = jax.shard_map(body, mesh=layout.mesh, in_specs=(stage_spec, edge_spec, x_spec, batch_spec),
-                               out_specs=act_spec)
+            program = jax.jit(jax.shard_map(body, mesh=layout.mesh, in_specs=(stage_spec, edge_spec, x_spec, batch_spec),
+                                            out_specs=act_spec))
         else:
             def body(chunk, edge, x, mb, g, acc_chunk, acc_edge):
                 # weights vary over the batch axes: the vjp gives each device its own shard's gradient
-                chunk = jax.tree.map(lambda w: _vary(w, batch_axes), chunk)
-                edge = jax.tree.map(lambda w: _vary(w, batch_axes), edge)
+                chunk = jax.tree.map(lambda w: vary_over(w, batch_axes), chunk)
+                edge = jax.tree.map(lambda w: vary_over(w, batch_axes), edge)
                 with use_layout(layout, manual=True):
                     out, vjp = jax.vjp(lambda c, e, x_: apply(c, e, x_, mb), chunk, edge, x)
                     g_chunk, g_edge, g_x = vjp(jnp.ones_like(out) if last else g)
@@ -232,13 +232,13 @@ class MPMDPipeline:
                 return loss, add(acc_chunk, g_chunk), add(acc_edge, g_edge), g_x
 
             g_spec = act_spec if not last else ()
-            fn = jax.shard_map(
+            program = jax.jit(jax.shard_map(
                 body, mesh=layout.mesh,
                 in_specs=(stage_spec, edge_spec, x_spec, batch_spec, g_spec, stage_spec, edge_spec),
-                out_specs=(PartitionSpec() if last else (), stage_spec, edge_spec, x_spec))
-            fn = jax.jit(fn, donate_argnums=(5, 6))
-        self._programs[key] = jax.jit(fn) if kind == FORWARD else fn
-        return self._programs[key]
+                out_specs=(PartitionSpec() if last else (), stage_spec, edge_spec, x_spec)),
+                donate_argnums=(5, 6))  # the gradient accumulators
+        self._programs[key] = program
+        return program
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -258,7 +258,7 @@ class MPMDPipeline:
         anywhere) and its gradients, shaped like ``weights`` (every edge copy holds the sum)."""
         schedule = self.schedule
         S, V, m = schedule.stages, schedule.virtual_stages, schedule.microbatches
-        _microbatched(batch, m)
+        check_microbatches(batch, m)
         placed_batches: dict[tuple[int, int], Any] = {}
 
         def microbatch(i, s):

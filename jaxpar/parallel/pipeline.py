@@ -172,7 +172,7 @@ def layers_per_chunk(num_layers: int, schedule: Schedule) -> int:
     return num_layers // (S * v)
 
 
-def _num_layers(stage_params) -> int:
+def stacked_layers(stage_params) -> int:
     sizes = {x.shape[0] for x in jax.tree.leaves(stage_params)}
     if len(sizes) != 1:
         raise LayoutError(f"stacked weights disagree on the number of layers (leading dims {sorted(sizes)})")
@@ -194,20 +194,20 @@ def _regroup(stacked, outer: int, inner: int, k: int):
 def to_stage_order(stage_params, schedule: Schedule):
     """Stacked weights (layers first, in layer order) -> the order ``shard_map`` splits over
     ``stage``: device s's chunks j = 0..v-1 next to each other. A reshape when v = 1."""
-    k = layers_per_chunk(_num_layers(stage_params), schedule)
+    k = layers_per_chunk(stacked_layers(stage_params), schedule)
     return _regroup(stage_params, schedule.chunks, schedule.stages, k)
 
 
 def to_layer_order(stage_ordered, schedule: Schedule):
     """Inverse of ``to_stage_order`` (for gradients and updated weights)."""
-    k = layers_per_chunk(_num_layers(stage_ordered), schedule)
+    k = layers_per_chunk(stacked_layers(stage_ordered), schedule)
     return _regroup(stage_ordered, schedule.stages, schedule.chunks, k)
 
 
 # --- the executor, per device ------------------------------------------------------------------
 
 
-def _vary(x, axes):
+def vary_over(x, axes):
     """``x`` cast to vary over ``axes`` too (shard_map's types must agree across switch branches
     and scan steps)."""
     missing = tuple(sorted(set(axes) - varying_axes(x)))
@@ -222,7 +222,7 @@ def _unify(fns, *operands):
     axes = jax.tree.map(lambda *xs: set().union(*(x.manual_axis_type.varying for x in xs)), *shapes)
 
     def wrap(f):
-        return lambda *args: jax.tree.map(_vary, f(*args), axes)
+        return lambda *args: jax.tree.map(vary_over, f(*args), axes)
 
     return [wrap(f) for f in fns], axes
 
@@ -325,7 +325,7 @@ def run_schedule(program: Program, model: PipelineModel, stage_params, edge_para
                 return carry, y, nothing
             # backward: recompute the forward from the stored input and pull the gradient through it
             (y, loss), pull = jax.vjp(lambda p, e, x: one_action(p, e, x, mb_batch, first, last), p, edge, x)
-            dy = jnp.where(last, jnp.zeros_like(y), _vary(at(carry["cots"], row["cot_slot"]), varying_axes(y)))
+            dy = jnp.where(last, jnp.zeros_like(y), vary_over(at(carry["cots"], row["cot_slot"]), varying_axes(y)))
             dloss = jnp.where(last, jnp.asarray(loss_scale, loss.dtype), jnp.zeros_like(loss))
             dp, dedge, dx = pull((dy, dloss))
             ends = first | last  # only there do the edge weights get a gradient
@@ -359,8 +359,8 @@ def run_schedule(program: Program, model: PipelineModel, stage_params, edge_para
         accumulator = lambda w: jnp.zeros(w.shape, jnp.float32)  # noqa: E731
         carry.update(grads=jax.tree.map(accumulator, stage_params), edge_grads=jax.tree.map(accumulator, edge_params),
                      loss=jnp.zeros((), jnp.float32))
-    carry = jax.tree.map(lambda c: _vary(c, {axis}), carry)
-    carry["acts"], carry["cots"] = _vary(carry["acts"], flows), _vary(carry["cots"], flows)
+    carry = jax.tree.map(lambda c: vary_over(c, {axis}), carry)
+    carry["acts"], carry["cots"] = vary_over(carry["acts"], flows), vary_over(carry["cots"], flows)
 
     table = {name: jnp.asarray(col) for name, col in program.columns().items()}
     example_row = {name: at(col[0], here) for name, col in table.items()}
@@ -369,7 +369,7 @@ def run_schedule(program: Program, model: PipelineModel, stage_params, edge_para
     # the carry it was given. Widen the carry until a tick no longer widens it.
     while True:
         branches, (carry_axes, _, _) = _unify(raw_branches, carry, example_row)
-        widened = jax.tree.map(lambda c, a: _vary(c, varying_axes(c) | a), carry, carry_axes)
+        widened = jax.tree.map(lambda c, a: vary_over(c, varying_axes(c) | a), carry, carry_axes)
         if all(varying_axes(a) == varying_axes(b) for a, b in zip(jax.tree.leaves(widened), jax.tree.leaves(carry))):
             break
         carry = widened
@@ -379,8 +379,8 @@ def run_schedule(program: Program, model: PipelineModel, stage_params, edge_para
         carry, send_fwd, send_bwd = jax.lax.switch(row["kind"], branches, carry, row)
         arrived = jax.lax.ppermute(send_fwd, axis, forward_pairs)
         returned = jax.lax.ppermute(send_bwd, axis, backward_pairs)
-        carry["acts"] = put(carry["acts"], row["recv_act"], _vary(arrived, varying_axes(carry["acts"])))
-        carry["cots"] = put(carry["cots"], row["recv_cot"], _vary(returned, varying_axes(carry["cots"])))
+        carry["acts"] = put(carry["acts"], row["recv_act"], vary_over(arrived, varying_axes(carry["acts"])))
+        carry["cots"] = put(carry["cots"], row["recv_cot"], vary_over(returned, varying_axes(carry["cots"])))
         return carry, None
 
     carry, _ = jax.lax.scan(tick, carry, table)
@@ -392,7 +392,7 @@ def run_schedule(program: Program, model: PipelineModel, stage_params, edge_para
 # --- whole-mesh entry points -------------------------------------------------------------------
 
 
-def _microbatched(batch, m):
+def check_microbatches(batch, m):
     sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
     if sizes != {m}:
         raise ScheduleError(
@@ -445,7 +445,7 @@ def pipeline_value_and_grad(stage_fn, stage_params, batch, mesh, schedule: Sched
     if schedule.asynchronous:
         raise ScheduleError("pipedream updates weights as it goes; run it with pipedream_train, not pipeline_value_and_grad")
     edge_params = {} if edge_params is None else edge_params
-    _microbatched(batch, schedule.microbatches)
+    check_microbatches(batch, schedule.microbatches)
     if layout is not None and mesh is not layout.mesh:
         raise LayoutError("pipeline_value_and_grad: pass the layout's own mesh (layout.mesh) as mesh")
     _check_mesh(mesh, schedule)
@@ -465,7 +465,7 @@ def stage_grads(program: Program, model: PipelineModel, stacked, edge, batch, *,
     place of its micro-batch loop): (loss summed over the stages, gradients of this device's
     stacked weights laid out like its stored shard (v*k, ...), edge gradients summed over the
     stages). ``stacked``: this device's shard in stage order (``to_stage_order``)."""
-    edge = jax.tree.map(lambda e: _vary(e, {axis}), edge)  # local gradients: summed here, once
+    edge = jax.tree.map(lambda e: vary_over(e, {axis}), edge)  # local gradients: summed here, once
     loss, grads, edge_grads = run_schedule(program, model, _chunked(stacked, chunks), edge, batch, loss_scale=loss_scale,
                                            axis=axis)
     return jax.lax.psum(loss, axis), _unchunked(grads), jax.lax.psum(edge_grads, axis)
@@ -517,8 +517,8 @@ def _all_manual_program(layout, names, program, model, schedule):
     def body(params, edge, batch):
         # weights vary over the batch axes: autodiff then gives each device its unreduced gradient
         # and the sums below are the only reductions
-        params = jax.tree.map(lambda p: _vary(p, set(batch_axes)), params)
-        edge = jax.tree.map(lambda e: _vary(e, set(batch_axes)), edge)
+        params = jax.tree.map(lambda p: vary_over(p, set(batch_axes)), params)
+        edge = jax.tree.map(lambda e: vary_over(e, set(batch_axes)), edge)
         with use_layout(layout, manual=True):
             loss, grads, edge_grads = stage_grads(program, model, params, edge, batch, chunks=schedule.chunks,
                                                   loss_scale=1.0 / (schedule.microbatches * batch_shards(layout)))
@@ -547,14 +547,14 @@ def pipedream_train(stage_fn, stage_params, batch, mesh, schedule: Schedule, *, 
     if schedule.stages < 2:
         raise ScheduleError("pipedream needs at least 2 stages: the first and the last stage own separate edge weights")
     m = schedule.microbatches
-    _microbatched(batch, m)
+    check_microbatches(batch, m)
     _check_mesh(mesh, schedule)
     program = lower(schedule)
-    layers_per_chunk(_num_layers(stage_params), schedule)
+    layers_per_chunk(stacked_layers(stage_params), schedule)
     model = PipelineModel(first_fn, stage_fn, last_fn)
 
     def body(params, edge, batch):
-        edge = jax.tree.map(lambda e: _vary(e, {STAGE_AXIS}), edge)
+        edge = jax.tree.map(lambda e: vary_over(e, {STAGE_AXIS}), edge)
         losses, new, new_edge, versions = run_schedule(
             program, model, _chunked(params, 1), edge, batch, learning_rate=learning_rate)
         last = jax.lax.axis_index(STAGE_AXIS) == schedule.stages - 1
@@ -578,7 +578,7 @@ def simulate_pipedream(stage_fn, stage_params, batch, stages: int, *, first_fn, 
     current weights. Stage 0 owns first_fn's copy of ``edge_params``, stage S-1 last_fn's.
     Returns what ``pipedream_train`` returns."""
     m = jax.tree.leaves(batch)[0].shape[0]
-    k = _num_layers(stage_params) // stages
+    k = stacked_layers(stage_params) // stages
     split = [jax.tree.map(lambda x: x[s * k:(s + 1) * k], stage_params) for s in range(stages)]
     history = [[w] for w in split]  # history[s][n]: stage s's weights after n updates
     first_history, last_history = [edge_params], [edge_params]

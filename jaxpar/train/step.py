@@ -151,6 +151,11 @@ class Trainer:
             raise LayoutError(f"grad_sync={self.cfg.grad_sync!r} is not supported with a pipeline (stage={stages}) yet; use grad_sync='exact'")
         split = pieces(self.abstract)
         schedule = schedules.make(self.cfg.schedule, stages, self.cfg.microbatches, self.cfg.chunks)
+        if schedule.asynchronous:
+            raise LayoutError(f"schedule {self.cfg.schedule!r} updates each stage's weights after every micro-batch, "
+                              f"which a training step with one optimizer update does not do; use gpipe, 1f1b, "
+                              f"eager-1f1b or interleaved-1f1b here, or pipeline.pipedream_train "
+                              f"(examples/pipedream.py)")
         stacked, _ = split.split(nnx.to_pure_dict(self.abstract))
         pipeline_lib.layers_per_chunk(jax.tree.leaves(stacked)[0].shape[0], schedule)
         return split, schedule, pipeline_lib.lower(schedule)
