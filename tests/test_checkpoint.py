@@ -69,6 +69,7 @@ def test_restores_bit_for_bit_under_another_layout(saved, strategy, topology):
     assert meta["step"] == 4
 
 
+@pytest.mark.slow
 def test_four_device_checkpoint_restores_on_eight(tmp_path):
     directory = tmp_path / "four"
     run = dataclasses.replace(RUN, strategy="fsdp=2,tensor=2", steps=1)

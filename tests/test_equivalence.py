@@ -100,10 +100,10 @@ LAYOUTS = [
     pytest.param("data=8", marks=_slow),  # DP
     "fsdp=8",  # FSDP = ZeRO-3
     pytest.param("fsdp=8,zero=1", marks=_slow),
-    "fsdp=8,zero=2",
+    pytest.param("fsdp=8,zero=2", marks=_slow),
     pytest.param("data=2,fsdp=4", marks=_slow),  # HSDP
     pytest.param("data=2,tensor=4", marks=_slow),  # TP
-    "data=2,tensor=4,sp=on",  # TP + SP
+    pytest.param("data=2,tensor=4,sp=on", marks=_slow),  # TP + SP
     pytest.param("fsdp=4,tensor=2", marks=_slow),
     pytest.param("data=2,fsdp=2,tensor=2", marks=_slow),  # HSDP with TP
     "data=2,fsdp=2,tensor=2,sp=on",

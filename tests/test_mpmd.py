@@ -29,7 +29,7 @@ def _pipeline(model, specs, name, m, chunks=1, **kwargs):
 
 @pytest.mark.parametrize("name, specs, m, chunks", [
     pytest.param("gpipe", ["data=2", "data=4"], 4, 1, marks=pytest.mark.slow),
-    ("1f1b", ["data=2"] * 4, 8, 1),
+    pytest.param("1f1b", ["data=2"] * 4, 8, 1, marks=pytest.mark.slow),
     ("eager-1f1b", ["data=4", "data=2", "data=1", "data=1"], 8, 1),
     ("interleaved-1f1b", ["data=2", "data=2"], 4, 2),
 ])
