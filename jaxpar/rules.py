@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -65,6 +66,11 @@ class Layout:
     def batch_axes(self) -> tuple[str, ...]:
         """Mesh axes the batch is split over: gradients are summed over these."""
         return self._live(self.compute.get("batch", ()))
+
+    @property
+    def batch_shards(self) -> int:
+        """Devices the batch is split over (each computes the mean loss of its own shard)."""
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
     def _live(self, axes: Sequence[str]) -> tuple[str, ...]:
         # Axes of degree 1 change nothing; leaving them out keeps specs and collectives clean.

@@ -8,16 +8,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from jaxpar.errors import LayoutError
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, mpmd, parse_strategy
 from jaxpar.parallel import pipeline as pl
 from jaxpar.parallel import schedules as sc
-from jaxpar.train.step import abstract_model
-from tests.test_pipeline import (BATCH, WIDTH, adamw_step, assert_close, llama_oracle, mlp_batch, mlp_first, mlp_last,
-                                 mlp_oracle, mlp_params, mlp_stage)
+from tests.test_pipeline import (BATCH, WIDTH, adamw_step, assert_close, llama_oracle, mlp_batch, mlp_first,  # noqa: F401 (tiny_llama: a fixture)
+                                 mlp_last, mlp_oracle, mlp_params, mlp_stage, tiny_llama)
 
 MLP_NAMES = ({"w": ("layers", None, None), "b": ("layers", None)}, {"w_in": (None, None), "w_out": (None, None)})
 ADAMW = optax.adamw(1e-2, eps=1e-4, weight_decay=0.1)  # as adamw_step in test_pipeline.py
@@ -52,11 +50,8 @@ def test_mlp_schedules_match_one_device(name, specs, m, chunks):
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_pieces():
-    cfg = llama.CONFIGS["tiny"]
-    graphdef, abstract = abstract_model(lambda r: llama.Llama(cfg, rngs=r))
-    with nnx.use_eager_sharding(False):
-        params = nnx.to_pure_dict(nnx.state(llama.Llama(cfg, rngs=nnx.Rngs(0))))
+def tiny_llama_pieces(tiny_llama):
+    cfg, graphdef, abstract, params = tiny_llama
     return cfg, graphdef, params, pl.llama_pieces(cfg, abstract)
 
 

@@ -22,7 +22,7 @@ from jaxpar.errors import SpecError
 from jaxpar.parallel import data, fsdp, sequence, tensor
 from jaxpar.rules import LOGICAL_AXES, Layout
 
-_OPTIONS = ("zero", "sp", "regather")
+OPTIONS = ("zero", "sp", "regather")  # strategy-string keys that are options, not mesh axes
 _TRUE, _FALSE = {"on", "1", "true", "yes"}, {"off", "0", "false", "no"}
 
 
@@ -58,7 +58,7 @@ def parse_strategy(text: str, num_devices: int) -> Strategy:
     axes, options = [], {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key = part.partition("=")[0].strip()
-        if key in _OPTIONS:
+        if key in OPTIONS:
             options[key] = part.partition("=")[2]
         else:
             axes.append(part)

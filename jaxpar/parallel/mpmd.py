@@ -44,9 +44,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.collectives.reshard import compile_reshard
 from jaxpar.errors import LayoutError
-from jaxpar.parallel import build_layout, parse_strategy
-from jaxpar.parallel.pipeline import (PipelineModel, batch_shards, check_microbatches, layers_per_chunk, stacked_layers,
-                                      sum_over_batch, vary_over)
+from jaxpar.parallel import OPTIONS, build_layout, parse_strategy
+from jaxpar.parallel.pipeline import (PipelineModel, check_microbatches, layers_per_chunk, stacked_layers, sum_over_batch,
+                                      vary_over)
 from jaxpar.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
 from jaxpar.rules import Layout, use_layout
 
@@ -56,7 +56,7 @@ _is_names = lambda x: isinstance(x, tuple)  # noqa: E731  (a leaf of a logical-n
 def _devices_of(spec: str) -> int:
     """Devices a stage's parallel spec asks for; every degree must be written out."""
     degrees = [part.partition("=") for part in spec.split(",") if part.strip()]
-    sizes = [value.strip() for key, _, value in degrees if key.strip() not in ("zero", "sp", "regather")]
+    sizes = [value.strip() for key, _, value in degrees if key.strip() not in OPTIONS]
     if not all(re.fullmatch(r"\d+", n) and int(n) > 0 for n in sizes):
         raise LayoutError(f"stage spec {spec!r}: give every axis a positive degree (e.g. 'data=2,tensor=2'); "
                           f"-1 cannot fill 'the rest' when the devices are split between stages")
@@ -202,7 +202,7 @@ class MPMDPipeline:
         edge_spec = edge_spec if uses_edge else {}
         x_spec = () if first else act_spec
         batch_spec = self._batch_specs(s, batch)
-        loss_scale = 1.0 / (self.schedule.microbatches * batch_shards(layout))
+        loss_scale = 1.0 / (self.schedule.microbatches * layout.batch_shards)
         batch_axes = set(layout.batch_axes)
 
         def apply(chunk, edge, x, mb):
@@ -281,13 +281,14 @@ class MPMDPipeline:
                 i, j = int(schedule.microbatch[t, s]), int(schedule.chunk[t, s])
                 k = j * S + s
                 first, last = k == 0, k == V - 1
+                if kind == FORWARD and last:  # the last virtual stage's forward runs inside its backward
+                    continue
                 edge = weights.edge[s] if first or last else {}
                 x = () if first else inputs[(i, k)]
                 program = self._program(s, first, last, kind, microbatch(i, s))
                 if kind == FORWARD:
-                    if not last:  # the last virtual stage's forward runs inside its backward
-                        y = program(weights.chunks[s][j], edge, x, microbatch(i, s))
-                        inputs[(i, k + 1)] = self._move(y, (k + 1) % S, sent[FORWARD])
+                    y = program(weights.chunks[s][j], edge, x, microbatch(i, s))
+                    inputs[(i, k + 1)] = self._move(y, (k + 1) % S, sent[FORWARD])
                     continue
                 acc_edge = grads.edge[s] if first or last else {}
                 g = () if last else cotangents.pop((i, k))

@@ -485,11 +485,6 @@ def _stage_manual_program(mesh, program, model, schedule, ordered, edge_params, 
                          out_specs=(PartitionSpec(), stage_spec, edge_spec), axis_names={STAGE_AXIS})
 
 
-def batch_shards(layout: Layout) -> int:
-    """Devices the batch is split over (each computes the mean loss of its own shard)."""
-    return int(np.prod([layout.mesh.shape[a] for a in layout.batch_axes]))
-
-
 def sum_over_batch(layout: Layout, grads, names):
     """Inside an all-manual ``shard_map``: gradients computed per batch shard, summed over the
     batch axes each weight still needs, i.e. all but those its gather's backward has already
@@ -521,7 +516,7 @@ def _all_manual_program(layout, names, program, model, schedule):
         edge = jax.tree.map(lambda e: vary_over(e, set(batch_axes)), edge)
         with use_layout(layout, manual=True):
             loss, grads, edge_grads = stage_grads(program, model, params, edge, batch, chunks=schedule.chunks,
-                                                  loss_scale=1.0 / (schedule.microbatches * batch_shards(layout)))
+                                                  loss_scale=1.0 / (schedule.microbatches * layout.batch_shards))
         loss = jax.lax.psum(loss, batch_axes) if batch_axes else loss
         return loss, sum_over_batch(layout, grads, stage_names), sum_over_batch(layout, edge_grads, edge_names)
 

@@ -80,13 +80,8 @@ class GradSync:
         moved = [jnp.moveaxis(g, dim, 0) for g, dim in leaves]
         rows = jnp.concatenate([m.reshape(ranks, -1).astype(jnp.float32) for m in moved], axis=1)
         reduced = self.reduce_scatter(rows, axes, seed, tag)[0]
-        out, start = [], 0
-        for m, (_, dim) in zip(moved, leaves):
-            shape = (m.shape[0] // ranks,) + m.shape[1:]
-            piece = reduced[start : start + math.prod(shape)]
-            out.append(jnp.moveaxis(piece.reshape(shape), 0, dim))
-            start += piece.size
-        return out
+        shapes = [(m.shape[0] // ranks,) + m.shape[1:] for m in moved]
+        return [jnp.moveaxis(piece, 0, dim) for piece, (_, dim) in zip(unpack(reduced, shapes), leaves)]
 
 
 def _tag(parts: tuple) -> int:

@@ -157,7 +157,7 @@ class Trainer:
                               f"eager-1f1b or interleaved-1f1b here, or pipeline.pipedream_train "
                               f"(examples/pipedream.py)")
         stacked, _ = split.split(nnx.to_pure_dict(self.abstract))
-        pipeline_lib.layers_per_chunk(jax.tree.leaves(stacked)[0].shape[0], schedule)
+        pipeline_lib.layers_per_chunk(pipeline_lib.stacked_layers(stacked), schedule)
         return split, schedule, pipeline_lib.lower(schedule)
 
     # --- layout checks, before any device memory is touched --------------------------------
@@ -185,7 +185,7 @@ class Trainer:
         return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self.batch_sharding(shape))
 
     def check_batch(self, batch):
-        shards = math.prod(self.layout.mesh.shape[a] for a in self.layout.batch_axes) * self.cfg.microbatches
+        shards = self.layout.batch_shards * self.cfg.microbatches
         for leaf in jax.tree.leaves(batch):
             if leaf.shape[0] % shards:
                 raise LayoutError(
@@ -287,7 +287,7 @@ class Trainer:
         ``seed``: the compressed sync's dither seed this step."""
         layout, cfg, sync = self.layout, self.cfg, self.grad_sync
         k = cfg.microbatches
-        shards = math.prod(layout.mesh.shape[a] for a in layout.batch_axes) * k
+        shards = layout.batch_shards * k
         flat_params = _flatten(params)
         plans = {p: self._reduction_plan(p) for p in flat_params}
 
