@@ -3,18 +3,28 @@ uninterrupted ones; bad input is refused before any device memory is touched; an
 save is never picked up."""
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import cli
 
 from jaxpar.errors import JaxparError
 from jaxpar.models import llama
 from jaxpar.topology import load_topology
-from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer, flat_arrays, load_arrays
+from jaxpar.train.checkpoint import (
+    LOCK_NAME, CheckpointConfig, CheckpointLocked, Checkpointer, CheckpointWriteFailed, block_checksums, flat_arrays,
+    list_checkpoints, load_arrays,
+)
 from jaxpar.train.loop import RunConfig, build_trainer, run_training
 from jaxpar.train.step import Trainer
 
@@ -29,6 +39,39 @@ def saved(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ckpt") / "run"
     report = run_training(RUN, load_topology("cpu-8"), progress=None, checkpoint=CheckpointConfig(str(directory), every=2, keep=2))
     return directory, report
+
+
+class _Lines:
+    """A progress stream that keeps the lines a run prints."""
+
+    def __init__(self, lines):
+        self.lines = lines
+
+    def write(self, text):
+        self.lines.extend(filter(None, text.splitlines()))
+
+    def flush(self):
+        pass
+
+
+def damage(step_dir, how):
+    """Damage a checkpoint on disk the ways disks and people do."""
+    arrays = sorted(step_dir.glob("state/ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+    largest, meta = arrays[-1], step_dir / "meta" / "metadata"
+    if how in ("invert", "bit"):
+        data = bytearray(largest.read_bytes())
+        middle = len(data) // 2
+        for i in range(middle, middle + (64 if how == "invert" else 1)):
+            data[i] ^= 0xFF if how == "invert" else 0x08
+        largest.write_bytes(bytes(data))
+    elif how == "truncate":
+        os.truncate(largest, largest.stat().st_size // 2)
+    elif how == "delete-meta":
+        meta.unlink()
+    elif how == "cut-meta":
+        os.truncate(meta, meta.stat().st_size // 2)
+    else:
+        raise ValueError(how)
 
 
 def _live_ids():
@@ -83,17 +126,22 @@ def test_four_device_checkpoint_restores_on_eight(tmp_path):
         np.testing.assert_array_equal(np.asarray(array), expected[path], err_msg=path)
 
 
-def test_resumed_run_equals_uninterrupted(saved, tmp_path):
+def test_resume_past_a_damaged_checkpoint_equals_uninterrupted(saved, tmp_path):
+    """64 bytes inverted in the latest checkpoint: --resume names it, continues from the previous
+    one and ends bitwise where the uninterrupted run ended."""
     directory, report = saved
+    expected, _ = load_arrays(str(directory))
     copy = tmp_path / "resume"
     shutil.copytree(directory, copy)
-    shutil.rmtree(copy / "4")  # as if the job died after step 2's checkpoint
-    resumed = run_training(RUN, load_topology("cpu-8"), progress=None, checkpoint=CheckpointConfig(str(copy), every=2), resume="required")
-    assert resumed["start_step"] == 2 and resumed["losses"] == report["losses"][2:]
-    a, _ = load_arrays(str(directory))
-    b, _ = load_arrays(str(copy))
-    for path in a:
-        np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+    damage(copy / "4", "invert")
+    messages = []
+    resumed = run_training(RUN, load_topology("cpu-8"), progress=_Lines(messages), checkpoint=CheckpointConfig(str(copy), every=2), resume="required")
+    assert any("checkpoint 4: array " in m and "fails its checksum" in m for m in messages), messages
+    assert resumed["start_step"] == 2 and resumed["losses"] == report["losses"]  # the job's every step, the first two from the checkpoint
+    assert sorted(os.listdir(copy)) == ["2", "4", "4.damaged", LOCK_NAME]  # the damaged copy is kept, aside
+    got, _ = load_arrays(str(copy))
+    for path in expected:
+        np.testing.assert_array_equal(got[path], expected[path], err_msg=path)
 
 
 def test_checkpoint_of_another_model_names_the_arrays(saved):
@@ -150,3 +198,157 @@ def test_job_killed_during_a_save_resumes_from_the_previous_checkpoint(saved, tm
     b, _ = load_arrays(str(target))
     for path in a:
         np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+
+
+@pytest.fixture(scope="module")
+def tiny_trainer():
+    trainer, _, _ = build_trainer(RUN, load_topology("cpu-8"))
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "how, reason",
+    [("invert", "fails its checksum"), ("bit", "fails its checksum"), ("truncate", "arrays cannot be read"),
+     ("delete-meta", "metadata cannot be read"), ("cut-meta", "metadata cannot be read")],
+)
+def test_damaged_latest_is_named_set_aside_and_the_previous_restored(saved, tiny_trainer, tmp_path, how, reason):
+    directory, _ = saved
+    copy = tmp_path / "run"
+    shutil.copytree(directory, copy)
+    previous, _ = load_arrays(str(directory), step=2)
+    damage(copy / "4", how)
+    messages = []
+    ckpt = Checkpointer.existing(CheckpointConfig(str(copy)), writer=True)
+    state, meta = ckpt.restore_newest_verified(tiny_trainer.abstract_state(), messages.append)
+    ckpt.close()
+    assert meta["step"] == 2
+    assert messages[0].startswith("checkpoint 4: ") and reason in messages[0], messages
+    if how in ("invert", "bit"):  # names the array and shard, e.g. "array opt_state/0/nu/layers/w_gate shard 4"
+        assert re.search(r"array (params|opt_state)/\S+ shard \d+ fails", messages[0]), messages[0]
+    for path, array in flat_arrays(state).items():
+        np.testing.assert_array_equal(np.asarray(array), previous[path], err_msg=path)
+    assert sorted(os.listdir(copy)) == ["2", "4.damaged", LOCK_NAME]
+
+
+def test_every_checkpoint_damaged_is_refused_in_words(saved, tmp_path, capsys):
+    directory, _ = saved
+    copy = tmp_path / "run"
+    shutil.copytree(directory, copy)
+    damage(copy / "2", "bit")
+    damage(copy / "4", "cut-meta")
+    code = cli.main([*CLI_RUN, "--checkpoint-dir", str(copy), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "no checkpoint in" in err and "checkpoint 2: array" in err and "checkpoint 4: its metadata" in err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(copy)) == ["2", "4", LOCK_NAME]  # nothing moved or deleted when nothing passes
+
+
+def _small_state(value):
+    mesh = jax.make_mesh((8,), ("x",))
+    w = jax.random.normal(jax.random.key(value), (256, 256))
+    return {"w": jax.device_put(w, NamedSharding(mesh, P("x"))), "step": jax.device_put(jnp.int32(value), NamedSharding(mesh, P()))}
+
+
+def test_keep_last_n_never_deletes_the_last_verified_checkpoint(tmp_path):
+    ckpt = Checkpointer(CheckpointConfig(str(tmp_path / "run"), keep=1))
+    ckpt.save(1, _small_state(1), {})
+    ckpt.wait()
+    ckpt.restore(ckpt._abstract, 1)  # read back: verified
+    ckpt.save(2, _small_state(2), {})
+    ckpt.manager.wait_until_finished()  # written, not yet pruned
+    damage(tmp_path / "run" / "2", "bit")
+    ckpt.wait()  # keep=1 would delete 1, but 2 fails when read back
+    assert ckpt.steps() == [1, 2] and ckpt.verified == {1}
+    ckpt.save(3, _small_state(3), {})
+    ckpt.wait()  # 3 reads back intact: now 1 and 2 may go
+    assert ckpt.steps() == [3] and ckpt.verified == {1, 3}
+    ckpt.close()
+
+
+def test_checksums_are_the_same_under_every_layout_and_see_one_bit(tmp_path):
+    x = jax.random.normal(jax.random.key(0), (8, 12, 16))
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    grid = (2, 4, 1)
+    layouts = [P(), P("a", "b"), P("b", None, "a"), P(None, None, ("a", "b"))]
+    sums = [np.asarray(jax.jit(block_checksums, static_argnums=1)(jax.device_put(x, NamedSharding(mesh, spec)), grid)) for spec in layouts]
+    for other in sums[1:]:
+        np.testing.assert_array_equal(other, sums[0])
+    bits = np.asarray(x).view(np.uint32).copy()
+    for index in [(0, 0, 0), (7, 11, 15), (3, 5, 9)]:
+        for bit in (0, 17, 31):
+            flipped = bits.copy()
+            flipped[index] ^= np.uint32(1 << bit)
+            changed = np.asarray(block_checksums(jnp.asarray(flipped.view(np.float32)), grid))
+            block = (index[0] // 4) * 4 + index[1] // 3
+            assert (changed[block] != sums[0][block]).all(), (index, bit)  # both sums of that block change
+            assert (np.delete(changed, block, 0) == np.delete(sums[0], block, 0)).all()  # and no other
+
+
+def _mount_tmpfs(path, size):
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+
+
+@pytest.mark.parametrize("found", ["before writing", "while writing"])
+def test_a_full_disk_is_one_message_and_the_previous_checkpoint_stays_usable(tmp_path, monkeypatch, found, capfd):
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "600k")  # room for two checkpoints of _small_state (256 KiB of arrays each), not three
+    try:
+        if found == "while writing":  # let orbax find it in its background threads
+            monkeypatch.setattr(Checkpointer, "_check_space", lambda *args: None)
+        ckpt = Checkpointer(CheckpointConfig(str(disk / "run"), keep=3))
+        try:
+            ckpt.save(1, _small_state(1), {})
+            ckpt.wait()
+            with pytest.raises(CheckpointWriteFailed, match=r"checkpoint \d could not be written .*: the disk is full.*; checkpoint \d is intact") as err:
+                for step in (2, 3, 4):
+                    ckpt.save(step, _small_state(step), {})
+                    ckpt.wait()
+        finally:
+            ckpt.close()
+        assert "\n" not in str(err.value)
+        assert "Traceback" not in capfd.readouterr().err
+        rows = list_checkpoints(str(disk / "run"))
+        intact = re.search(r"checkpoint (\d) is intact", str(err.value)).group(1)
+        complete = [r for r in rows if r["name"].isdigit()]
+        assert complete[-1]["name"] == intact and all(r["status"] == "verified" for r in complete), rows
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+def test_a_second_writer_is_refused_at_once_and_a_dead_writers_lock_is_not(tmp_path):
+    directory = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from jaxpar.train.checkpoint import *; "
+         f"c = Checkpointer(CheckpointConfig({str(directory)!r})); print('locked', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, XLA_FLAGS=""),
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        began = time.perf_counter()
+        with pytest.raises(CheckpointLocked, match=f"in use by pid {holder.pid} on host ") as err:
+            Checkpointer(CheckpointConfig(str(directory)))
+        assert time.perf_counter() - began < 1 and "choose another --checkpoint-dir" in str(err.value)
+        code = cli.main([*CLI_RUN, "--checkpoint-dir", str(directory)])
+        assert code == 2 and os.listdir(directory) == [LOCK_NAME]  # refused before anything was written
+    finally:
+        holder.kill()
+        holder.wait()
+    Checkpointer(CheckpointConfig(str(directory))).close()  # the kernel dropped the killed holder's lock
+
+
+def test_checkpoints_command_lists_each_with_its_layout_and_verdict(saved, tmp_path, capsys):
+    directory, _ = saved
+    copy = tmp_path / "run"
+    shutil.copytree(directory, copy)
+    assert cli.main(["checkpoints", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\n  2 +tiny +fsdp=8 +8  verified\n  4 +tiny +fsdp=8 +8  verified", out), out
+    damage(copy / "4", "bit")
+    (copy / "6.orbax-checkpoint-tmp").mkdir()
+    assert cli.main(["checkpoints", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"\n  4 .*damaged: array \S+ shard \d+ fails its checksum", out), out
+    assert "6.orbax-checkpoint-tmp" in out and "interrupted save" in out
