@@ -10,7 +10,6 @@ report says which compiler produced it. The model is abstract throughout (``nnx.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import warnings
 
@@ -22,7 +21,7 @@ from jaxpar.mesh import dcn_misplaced, parse_spec, split_ici_dcn
 from jaxpar.models import llama
 from jaxpar.parallel import Strategy, build_layout, parse_strategy
 from jaxpar.topology import Topology
-from jaxpar.train.loop import model_config
+from jaxpar.train.loop import check_at_least, check_fits_fully_sharded, check_model_axes, model_config, state_bytes_per_chip
 from jaxpar.train.step import TrainConfig, Trainer
 
 
@@ -63,37 +62,8 @@ def target_for(topology: Topology) -> Target:
     return Target(cpus[: topology.num_chips], "cpu", f"{reason}: compiled by XLA:CPU for simulated devices with the same mesh shape")
 
 
-# float32 weights, float32 gradient buffer, Adam's two float32 moments
-STATE_BYTES_PER_PARAM = 16
-
-
-def check_fits_fully_sharded(num_params: int, topology: Topology):
-    """Refuse, before compiling anything, a model whose training state cannot fit even when every
-    byte of it is sharded over all chips."""
-    need = STATE_BYTES_PER_PARAM * num_params / topology.num_chips
-    if need > topology.hbm_bytes:
-        gib = 2**30
-        chips = math.ceil(STATE_BYTES_PER_PARAM * num_params / topology.hbm_bytes)
-        raise JaxparError(
-            f"{num_params / 1e9:.1f}B weights need {need / gib:.1f} GiB per chip for weights, gradients and Adam "
-            f"state even fully sharded over the {topology.num_chips} chips of {topology.name}, which have "
-            f"{topology.hbm_bytes / gib:.1f} GiB each: short by {(need - topology.hbm_bytes) / gib:.1f} GiB per chip "
-            f"before any activation. Use a topology with more than {chips} chips"
-        )
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def state_bytes_per_chip(trainer) -> dict[str, int]:
-    """Weights and optimizer state per chip, read from the shardings the step is compiled with."""
-    state = trainer.abstract_state()
-
-    def total(tree):
-        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim)
-
-    return {"parameters": total(state.params), "optimizer": total(state.opt_state)}
 
 
 def compile_report(model, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, remat: str = "full", compute_dtype: str = "bfloat16", alternatives: int = 3) -> dict:
@@ -101,11 +71,15 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
 
     ``model``: a config name (``tiny``, ``llama2-7b``...) or a ``LlamaConfig``."""
 
+    name = model if isinstance(model, str) else "the model"
+    check_at_least("--batch-size", batch_size, 1)
+    check_at_least("--seq-len", seq_len, 1)
     cfg = model if isinstance(model, llama.LlamaConfig) else model_config(model, remat)
-    check_fits_fully_sharded(cfg.num_params(), topology)
+    check_fits_fully_sharded(cfg.num_params(), topology, name)
+    strategy = parse_strategy(strategy_text, topology.num_chips)  # before the (slow) TPU compiler is loaded
+    check_model_axes(strategy, name)
     target = target_for(topology)
     n = len(target.devices)
-    strategy = parse_strategy(strategy_text, n)
     _, dcn = split_ici_dcn(strategy.spec, topology.num_slices)
     layout = build_layout(strategy, target.devices, num_slices=topology.num_slices)
     trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, TrainConfig(compute_dtype=compute_dtype))
@@ -118,7 +92,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
             raise
         # XLA:TPU refuses a program that cannot fit; that is the answer to "does it fit?"
         raise JaxparError(
-            f"{model if isinstance(model, str) else 'the model'} with batch {batch_size} x {seq_len} under "
+            f"{name} with batch {batch_size} x {seq_len} under "
             f"{strategy} does not fit on {topology.name}: {str(err).splitlines()[0].split(': ', 1)[-1].rstrip('.')}. "
             f"Try regather=on (FSDP gathers each layer again instead of keeping every layer's weights), a "
             f"smaller --batch-size or --seq-len, or more sharding (tensor, fsdp)"

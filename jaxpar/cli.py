@@ -3,9 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
+
+# Exit statuses, the same for every command (README: "Exit statuses").
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_SIGINT = 130  # 128 + the signal's number, as a shell reports a process killed by it
+EXIT_SIGTERM = 143
+EXIT_STATUSES = {
+    EXIT_OK: "done",
+    EXIT_FAILED: "the job failed: a process died or hung (launch), the loss became NaN or infinite (train), "
+    "or an output could not be written (a full disk)",
+    EXIT_BAD_INPUT: "bad input, refused before any work: the message names the value and the fix",
+    EXIT_SIGINT: "interrupted by SIGINT (Ctrl-C): train stops after the step in progress, saves a checkpoint "
+    "(with --checkpoint-dir) and the metrics so far (with --metrics-json)",
+    EXIT_SIGTERM: "stopped by SIGTERM, the same way",
+}
+EXIT_ON_SIGNAL = {"SIGINT": EXIT_SIGINT, "SIGTERM": EXIT_SIGTERM}
 
 
 def _simulate_cpu_devices(count: int):
@@ -30,8 +48,9 @@ def _train_parser(sub):
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per optimizer step (with stage=N: pipeline micro-batches)")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b"], help="pipeline schedule when the strategy has stage=N")
-    p.add_argument("--chunks", type=int, default=1, help="layer chunks per stage (interleaved-1f1b: virtual stages per device, >= 2)")
+    # default None, to tell "given" from "default": given without a stage axis, they are refused
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b"], help="pipeline schedule when the strategy has stage=N (default 1f1b)")
+    p.add_argument("--chunks", type=int, help="layer chunks per stage (interleaved-1f1b: virtual stages per device, >= 2; default 1)")
     p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 keeps float32 master weights")
     p.add_argument("--grad-reduce-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype gradients are summed across devices in")
     p.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="what the backward pass recomputes")
@@ -49,8 +68,8 @@ def _train_parser(sub):
     )
     c = p.add_argument_group("checkpoints (orbax; restorable under any layout, device count or process count)")
     c.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here")
-    c.add_argument("--checkpoint-every", type=int, default=100, metavar="K", help="save every K steps and after the last (default 100)")
-    c.add_argument("--keep-checkpoints", type=int, default=3, metavar="N", help="keep the last N complete checkpoints (default 3)")
+    c.add_argument("--checkpoint-every", type=int, metavar="K", help="save every K steps and after the last (default 100)")
+    c.add_argument("--keep-checkpoints", type=int, metavar="N", help="keep the last N checkpoints; older ones go once one of these verifies (default 3)")
     c.add_argument(
         "--resume", nargs="?", const="required", choices=["required", "auto"],
         help="continue from the latest complete checkpoint in --checkpoint-dir; --resume=auto also starts afresh when there is none",
@@ -89,8 +108,7 @@ def _launch(args) -> int:
         processes=args.processes, devices_per_process=args.devices_per_process, max_restarts=args.max_restarts,
         hang_timeout_s=args.hang_timeout, startup_timeout_s=args.startup_timeout, port=args.port, status_dir=args.status_dir,
     )
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the children too (launch cleans up on exit)
-    return launch(command, cfg)
+    return launch(command, cfg)  # on SIGINT or SIGTERM it stops the children on its way out
 
 
 def _bench_parser(sub):
@@ -111,16 +129,18 @@ def _bench(args) -> int:
     topology = load_topology(args.topology)
     if topology.platform == "cpu":
         _simulate_cpu_devices(topology.num_chips)
-    from jaxpar.train.bench import STRATEGIES, bench, format_table
-    from jaxpar.train.loop import RunConfig, write_json_atomically
+    from jaxpar.train.bench import STRATEGIES, bench, format_table, parse_strategies
+    from jaxpar.train.loop import RunConfig, check_writable, write_json_atomically
 
-    strategies = args.strategies.split(";") if args.strategies else STRATEGIES
+    strategies = parse_strategies(args.strategies) if args.strategies else STRATEGIES
+    if args.json:
+        check_writable(args.json, "--json")
     run = RunConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len)
     rows = bench(run, topology, strategies)
     print(format_table(rows))
     if args.json:
         write_json_atomically(args.json, {"model": args.model, "topology": args.topology, "rows": rows})
-    return 0
+    return EXIT_OK
 
 
 def _compile_parser(sub):
@@ -143,13 +163,30 @@ def _compile(args) -> int:
     if topology.platform != "tpu":
         _simulate_cpu_devices(topology.num_chips)
     from jaxpar.aot import compile_report, format_report
-    from jaxpar.train.loop import write_json_atomically
+    from jaxpar.train.loop import check_writable, write_json_atomically
 
+    if args.json:
+        check_writable(args.json, "--json")
     report = compile_report(args.model, topology, args.strategy, args.batch_size, args.seq_len, args.remat, args.compute_dtype)
     print(format_report(report))
     if args.json:
         write_json_atomically(args.json, report)
-    return 0
+    return EXIT_OK
+
+
+def _checkpoints_parser(sub):
+    p = sub.add_parser("checkpoints", help="list the checkpoints in a directory: step, model, layout and whether each verifies")
+    p.add_argument("directory", metavar="DIR", help="a --checkpoint-dir a run saved into")
+    return p
+
+
+def _checkpoints(args) -> int:
+    _simulate_cpu_devices(1)  # the arrays are read whole on this host and checked there
+    from jaxpar.train.checkpoint import format_checkpoints, list_checkpoints
+
+    rows = list_checkpoints(args.directory)
+    print(format_checkpoints(args.directory, rows))
+    return EXIT_OK if all(row["status"] == "verified" for row in rows if row["name"].isdigit()) else EXIT_FAILED
 
 
 def _train(args) -> int:
@@ -157,68 +194,112 @@ def _train(args) -> int:
     from jaxpar.topology import load_topology
 
     topology = load_topology(args.topology)
-    for name, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--microbatches", args.microbatches)):
-        if value <= 0:
-            raise SystemExit(f"jaxpar train: {name} must be positive, got {value}")
     dist = launch.DistributedArgs(
         coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id, mode=args.distributed,
         init_timeout_s=args.init_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
     )
     if topology.platform == "cpu":
         _simulate_cpu_devices(launch.local_share(topology.num_chips, dist))
-    launch.initialize(dist, topology.platform)
+    from jaxpar.errors import JaxparError
     from jaxpar.train.checkpoint import CheckpointConfig
-    from jaxpar.train.loop import RunConfig, format_summary, run_training, write_json_atomically
+    from jaxpar.train.loop import (
+        RunConfig, check_run, check_writable, format_summary, interruption_message, run_training, write_json_atomically,
+    )
     from jaxpar.train.step import TrainConfig
 
-    if args.resume and not args.checkpoint_dir:
-        raise SystemExit("jaxpar train: --resume needs --checkpoint-dir, the directory the run saved into")
     checkpoint = None
+    given = {k: v for k, v in (("every", args.checkpoint_every), ("keep", args.keep_checkpoints)) if v is not None}
     if args.checkpoint_dir:
-        checkpoint = CheckpointConfig(args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep_checkpoints)
-    resume = args.resume or os.environ.get(launch.ENV_RESUME, "never")
-
+        checkpoint = CheckpointConfig(args.checkpoint_dir, **given)
+    elif given:
+        flag = "--checkpoint-every" if "every" in given else "--keep-checkpoints"
+        raise JaxparError(f"{flag} {given.get('every', given.get('keep'))} does nothing without --checkpoint-dir; add --checkpoint-dir DIR or drop it")
+    # a job the launcher restarts resumes if it saves checkpoints at all
+    resume = args.resume or (os.environ.get(launch.ENV_RESUME, "never") if checkpoint else "never")
+    pipeline_flags = {k: v for k, v in (("schedule", args.schedule), ("chunks", args.chunks)) if v is not None}
     run = RunConfig(
         model=args.model, strategy=args.strategy, steps=args.steps, batch_size=args.batch_size,
-        seq_len=args.seq_len, seed=args.seed, remat=args.remat,
+        seq_len=args.seq_len, seed=args.seed, remat=args.remat, explicit=frozenset(pipeline_flags),
         train=TrainConfig(
-            learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, microbatches=args.microbatches,
-            schedule=args.schedule, chunks=args.chunks,
+            learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, microbatches=args.microbatches, **pipeline_flags,
             compute_dtype=args.compute_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
             grad_sync=args.grad_sync, grad_sync_bits=args.grad_sync_bits,
             grad_sync_axes=None if args.grad_sync_axes is None else tuple(filter(None, (a.strip() for a in args.grad_sync_axes.split(",")))),
         ),
     )
+    check_run(run, checkpoint, resume)  # before joining a multi-process job (run_training checks again)
+    if args.metrics_json:
+        check_writable(args.metrics_json, "--metrics-json")
+    launch.initialize(dist, topology.platform)
     report = run_training(run, topology, checkpoint=checkpoint, resume=resume)
     import jax
 
-    if jax.process_index() != 0:
-        return 0  # process 0 speaks for the job
-    print(format_summary(report))
-    if args.metrics_json:
-        write_json_atomically(args.metrics_json, report)
-        print(f"\nmetrics written to {args.metrics_json}")
-    return 0
+    if jax.process_index() == 0:  # process 0 speaks for the job
+        if report["interrupted"]:
+            print(f"jaxpar train: {interruption_message(report)}", file=sys.stderr)
+        else:
+            print(format_summary(report))
+        if args.metrics_json:
+            write_json_atomically(args.metrics_json, report)
+            print(f"\nmetrics written to {args.metrics_json}")
+    if report["interrupted"]:
+        return EXIT_ON_SIGNAL[report["interrupted"]]
+    return EXIT_FAILED if report["nonfinite"] else EXIT_OK
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that cleanup (``finally``) runs on the way out."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    def terminated(signum, frame):
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _epilog() -> str:
+    return "exit statuses:\n" + "\n".join(f"  {code:<4d} {meaning}" for code, meaning in EXIT_STATUSES.items())
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxpar", description="Write a model once with logical axis names; run it under any layout.")
+    parser = argparse.ArgumentParser(
+        prog="jaxpar", description="Write a model once with logical axis names; run it under any layout.",
+        epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command")
     _train_parser(sub)
     _bench_parser(sub)
     _compile_parser(sub)
     _launch_parser(sub)
+    _checkpoints_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        return 2
-    from jaxpar.errors import JaxparError
+        return EXIT_BAD_INPUT
+    from jaxpar.errors import JaxparError, JobFailed
 
-    try:
-        return {"train": _train, "bench": _bench, "compile": _compile, "launch": _launch}[args.command](args)
-    except JaxparError as err:
-        print(f"jaxpar {args.command}: {err}", file=sys.stderr)
-        return 2
+    command = {"train": _train, "bench": _bench, "compile": _compile, "launch": _launch, "checkpoints": _checkpoints}[args.command]
+    message = None
+    with _sigterm_raises():
+        try:
+            status = command(args)
+        except JobFailed as err:
+            status, message = EXIT_FAILED, str(err)
+        except JaxparError as err:
+            status, message = EXIT_BAD_INPUT, str(err)
+        except KeyboardInterrupt:
+            status, message = EXIT_SIGINT, "interrupted by SIGINT"
+        except _Terminated:
+            status, message = EXIT_SIGTERM, "stopped by SIGTERM"
+    if message:
+        print(f"jaxpar {args.command}: {message}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

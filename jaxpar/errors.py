@@ -1,7 +1,8 @@
 """User-facing error types.
 
 Every error jaxpar raises for bad input is a ``JaxparError``: it names the offending value and
-says how to fix it, and it is raised before any device memory is touched.
+says how to fix it, and it is raised before any device memory is touched. ``JobFailed`` is the one
+kind that is not about input: the job ran and could not finish.
 """
 
 
@@ -19,3 +20,8 @@ class SpecError(JaxparError):
 
 class LayoutError(JaxparError):
     """Rules that conflict, or a tensor that the layout cannot shard."""
+
+
+class JobFailed(JaxparError):
+    """Not bad input: the job ran and failed (a process died or hung, an output could not be
+    written). The command line exits with status 1 for it, and 2 for every other JaxparError."""

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,7 +30,7 @@ import tempfile
 import threading
 import time
 
-from jaxpar.errors import JaxparError
+from jaxpar.errors import JaxparError, JobFailed
 
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
@@ -189,10 +190,6 @@ class LaunchConfig:
     status_dir: str | None = None  # None: a fresh temporary directory
 
 
-class JobFailed(JaxparError):
-    """The job failed and no restarts were left."""
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -246,8 +243,9 @@ class _Attempt:
         report = read_progress(self.status_dir, rank)
         return (report["time"] if report else self.started), report
 
-    def wait(self, poll_s: float = 0.2) -> str | None:
-        """Block until every process exits 0 (returns None) or the job fails (returns why)."""
+    def wait(self, poll_s: float = 0.2) -> tuple[str, int | None] | None:
+        """Block until every process exits 0 (returns None) or the job fails: returns why, and the
+        exit status of the process to blame (None for a hang)."""
         while True:
             codes = [p.poll() for p in self.procs]
             failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
@@ -256,14 +254,14 @@ class _Attempt:
                 # one that aborted (SIGABRT: the runtime's reaction) or exited with an error.
                 failed.sort(key=lambda r: 0 if codes[r] < 0 and codes[r] != -signal.SIGABRT else 1 if codes[r] < 0 else 2)
                 what = [f"process {r} (pid {self.procs[r].pid}) {_describe_exit(codes[r])}" for r in failed]
-                return what[0] + (f" (then {', '.join(what[1:])})" if len(what) > 1 else "")
+                return what[0] + (f" (then {', '.join(what[1:])})" if len(what) > 1 else ""), codes[failed[0]]
             if all(code == 0 for code in codes):
                 return None
             progress = [self._last_progress(r) for r in range(len(self.procs))]
             started = all(report for _, report in progress)
             limit = self.cfg.hang_timeout_s if started else self.cfg.startup_timeout_s
             if time.time() - max(t for t, _ in progress) > limit:
-                return self._describe_hang(limit)
+                return self._describe_hang(limit), None
             time.sleep(poll_s)
 
     def _describe_hang(self, limit: float) -> str:
@@ -300,7 +298,9 @@ def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=None) -> 
     When a process dies or the job hangs, every process is stopped (within the poll interval plus
     a 5 s grace for a death; ``hang_timeout_s`` for a hang) and the job is started again, at most
     ``max_restarts`` times, with ``JAXPAR_RESUME=auto`` so that ``jaxpar train`` continues from its
-    last complete checkpoint. Returns 0 on success; raises JobFailed when restarts run out."""
+    last complete checkpoint. Returns 0 on success; raises JobFailed when restarts run out, and
+    JaxparError, without restarting, when a process refused its input (exit status 2: it would
+    refuse it again). A status directory made here is removed on every way out."""
     if not command:
         raise JaxparError("a command is needed after '--', e.g. jaxpar launch --processes 2 -- jaxpar train")
     if cfg.processes < 1:
@@ -311,20 +311,34 @@ def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=None) -> 
         raise JaxparError(f"--max-restarts {cfg.max_restarts} must be 0 or more")
     if cfg.hang_timeout_s <= 0 or cfg.startup_timeout_s <= 0:
         raise JaxparError(f"--hang-timeout {cfg.hang_timeout_s} and --startup-timeout {cfg.startup_timeout_s} must be positive (seconds)")
+    if shutil.which(command[0]) is None:
+        raise JaxparError(
+            f"command {command[0]!r} was not found: it is neither an executable file nor a program on PATH; "
+            f"give one, e.g. jaxpar launch -- jaxpar train"
+        )
+    from jaxpar.cli import EXIT_BAD_INPUT  # the exit statuses are defined once, with the command line
+
     out = out or sys.stdout
     status_dir = cfg.status_dir or tempfile.mkdtemp(prefix="jaxpar-launch-")
-    os.makedirs(status_dir, exist_ok=True)
-    for restart in range(cfg.max_restarts + 1):
-        note = f" (restart {restart} of {cfg.max_restarts})" if restart else ""
-        out.write(f"jaxpar launch: starting {cfg.processes} processes{note}; progress reports in {status_dir}\n")
-        attempt = _Attempt(command, cfg, status_dir, restart, out)
-        try:
-            failure = attempt.wait()
-            if failure is None:
-                out.write(f"jaxpar launch: all {cfg.processes} processes finished\n")
-                return 0
-            out.write(f"jaxpar launch: {failure}; stopping the job\n")
-            out.flush()
-        finally:
-            attempt.stop()
-    raise JobFailed(f"{failure}; no restarts left (--max-restarts {cfg.max_restarts})")
+    try:
+        os.makedirs(status_dir, exist_ok=True)
+        for restart in range(cfg.max_restarts + 1):
+            note = f" (restart {restart} of {cfg.max_restarts})" if restart else ""
+            out.write(f"jaxpar launch: starting {cfg.processes} processes{note}; progress reports in {status_dir}\n")
+            attempt = _Attempt(command, cfg, status_dir, restart, out)
+            try:
+                failure = attempt.wait()
+                if failure is None:
+                    out.write(f"jaxpar launch: all {cfg.processes} processes finished\n")
+                    return 0
+                why, code = failure
+                out.write(f"jaxpar launch: {why}; stopping the job\n")
+                out.flush()
+                if code == EXIT_BAD_INPUT:
+                    raise JaxparError(f"{why}: the command refused its input (its message is above); fix the command, a restart would not help")
+            finally:
+                attempt.stop()
+        raise JobFailed(f"{why}; no restarts left (--max-restarts {cfg.max_restarts})")
+    finally:
+        if cfg.status_dir is None:  # ours: a temporary directory, not one the user named
+            shutil.rmtree(status_dir, ignore_errors=True)

@@ -49,6 +49,8 @@ class ParallelSpec:
 
 def parse_spec(spec: str | dict[str, int], num_devices: int) -> ParallelSpec:
     """Parse ``"data=2,fsdp=-1,tensor=2"`` (or a dict) into degrees whose product is ``num_devices``."""
+    if num_devices < 1:
+        raise SpecError(f"spec {spec!r} is laid over {num_devices} devices; pass the device count, at least 1")
     if isinstance(spec, str):
         items = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -56,6 +58,8 @@ def parse_spec(spec: str | dict[str, int], num_devices: int) -> ParallelSpec:
             key = key.strip()
             if not sep:
                 raise SpecError(f"spec entry {part!r} has no degree: write it as '{key}=N' (N, or -1 to fill)")
+            if key in items:  # else the last would silently win
+                raise SpecError(f"axis {key!r} is given twice in spec {spec!r} ({key}={items[key]} and {part}); give each axis once")
             try:
                 items[key] = int(value)
             except ValueError:

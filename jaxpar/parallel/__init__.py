@@ -59,6 +59,8 @@ def parse_strategy(text: str, num_devices: int) -> Strategy:
     for part in filter(None, (p.strip() for p in text.split(","))):
         key = part.partition("=")[0].strip()
         if key in OPTIONS:
+            if key in options:  # else the last would silently win
+                raise SpecError(f"option {key!r} is given twice in strategy {text!r} ({key}={options[key]} and {part}); give it once")
             options[key] = part.partition("=")[2]
         else:
             axes.append(part)

@@ -11,8 +11,9 @@ import dataclasses
 import sys
 import time
 
+from jaxpar.errors import JaxparError
 from jaxpar.topology import Topology
-from jaxpar.train.loop import RunConfig, run_training
+from jaxpar.train.loop import RunConfig, build_trainer, check_at_least, check_run, run_training
 
 STRATEGIES = (
     "data=8",
@@ -28,11 +29,30 @@ STRATEGIES = (
 )
 
 
+def parse_strategies(text: str) -> list[str]:
+    """``"data=8;fsdp=8"`` -> ``["data=8", "fsdp=8"]``; an empty entry is refused."""
+    entries = [entry.strip() for entry in text.split(";")]
+    empty = [i for i, entry in enumerate(entries, 1) if not entry]
+    if empty:
+        raise JaxparError(
+            f"--strategies {text!r}: entry {empty[0]} of {len(entries)} is empty; give strategies separated by ';', "
+            f"e.g. --strategies 'data=8;fsdp=8'"
+        )
+    return entries
+
+
 def bench(run: RunConfig, topology: Topology, strategies=STRATEGIES, progress=sys.stderr) -> list[dict]:
+    """Run ``run`` under each strategy. Every strategy is checked before the first one runs, so
+    that a typo in the last entry is not found after the others have taken their time."""
+    check_at_least("--steps", run.steps, 2, " per strategy, since the first step (which compiles) is not timed")
+    check_run(run)
+    for text in strategies:
+        build_trainer(dataclasses.replace(run, strategy=text), topology)  # allocates nothing
     rows = []
     for index, text in enumerate(strategies, 1):
         start = time.perf_counter()
-        report = run_training(dataclasses.replace(run, strategy=text), topology, progress=None)
+        # catch_signals=False: Ctrl-C stops the whole benchmark, not just this strategy's run
+        report = run_training(dataclasses.replace(run, strategy=text), topology, progress=None, catch_signals=False)
         if progress:
             progress.write(f"[{index}/{len(strategies)}] {text}: {time.perf_counter() - start:.0f} s (compile, {run.steps} steps, analysis)\n")
             progress.flush()

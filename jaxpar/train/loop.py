@@ -5,22 +5,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 import jax
 import numpy as np
 
 from jaxpar.analysis import memory, traffic
-from jaxpar.errors import JaxparError
+from jaxpar.errors import JaxparError, JobFailed
 from jaxpar.launch import report_progress
+from jaxpar.mesh import ParallelSpec
 from jaxpar.models import llama
-from jaxpar.parallel import build_layout, parse_strategy, pipeline
+from jaxpar.parallel import Strategy, build_layout, parse_strategy, pipeline
 from jaxpar.topology import Topology
 from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
@@ -37,6 +42,141 @@ class RunConfig:
     seed: int = 0
     remat: str = "none"
     train: TrainConfig = TrainConfig()
+    # TrainConfig fields set on purpose even where they equal the default (the CLI's flags): like
+    # any other non-default value, they are refused when the layout would ignore them
+    explicit: frozenset[str] = frozenset()
+
+
+def check_at_least(flag: str, value: int, low: int, why: str = ""):
+    """Refuse ``flag value`` below ``low``, naming both; ``why`` says what the bound is for."""
+    if value < low:
+        raise JaxparError(f"{flag} {value} is too small: it must be at least {low}{why}; pass {flag} {low} or more")
+
+
+def check_writable(path: str, flag: str, directory: bool = False):
+    """Refuse, before any work, an output path that cannot be written: a file where a directory is
+    wanted or the reverse, or a place where no file can be created (probed by creating and removing
+    one in the directory the output will go into; missing directories are not created here)."""
+    target = os.path.abspath(path)
+    if os.path.exists(target) and os.path.isdir(target) != directory:
+        want = "a directory" if directory else f"a file path, e.g. {os.path.join(path, 'metrics.json')}"
+        raise JaxparError(f"{flag} {path} is an existing {'file' if directory else 'directory'}; give {want}")
+    base = target if directory else os.path.dirname(target)
+    while not os.path.exists(base):  # made when the output is written
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        raise JaxparError(f"{flag} {path}: {base} is a file, not a directory; choose a path under a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=base, prefix=".jaxpar-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise JaxparError(f"{flag} {path} cannot be written ({err.strerror} in {base}); choose a writable location") from None
+
+
+def check_run(run: RunConfig, checkpoint: CheckpointConfig | None = None, resume: str = "never"):
+    """Refuse numbers and settings that cannot work, each with its value and the fix, before JAX is
+    asked for devices (``build_trainer`` checks the strategy, the model and the fit)."""
+    for flag, value in (
+        ("--steps", run.steps), ("--batch-size", run.batch_size), ("--seq-len", run.seq_len),
+        ("--microbatches", run.train.microbatches), ("--chunks", run.train.chunks),
+    ):
+        check_at_least(flag, value, 1)
+    check_at_least("--warmup-steps", run.train.warmup_steps, 0)
+    rate = run.train.learning_rate
+    if not (math.isfinite(rate) and rate > 0):
+        raise JaxparError(f"--learning-rate {rate:g} must be a finite positive number; give e.g. --learning-rate 3e-3")
+    if resume not in ("never", "auto", "required"):
+        raise JaxparError(f"resume={resume!r} is not one of never, auto, required")
+    if checkpoint is None:
+        if resume != "never":
+            raise JaxparError("--resume needs --checkpoint-dir, the directory the run saved into")
+        return
+    check_at_least("--checkpoint-every", checkpoint.every, 1)
+    check_at_least("--keep-checkpoints", checkpoint.keep, 1)
+    check_writable(checkpoint.directory, "--checkpoint-dir", directory=True)
+
+
+# Mesh axes the Llama cannot run on yet, and what it lacks: rules.py maps logical axes onto them,
+# but models/llama.py has no ring attention and no expert layers.
+LLAMA_UNSUPPORTED_AXES = {
+    "context": "its attention needs the whole sequence on every device (no ring attention yet)",
+    "expert": "it has no mixture-of-experts layers to split",
+}
+
+
+def check_model_axes(strategy: Strategy, model: str):
+    """Refuse a strategy with a mesh axis the Llama cannot use yet, suggesting the same degrees
+    with that axis folded into ``data``."""
+    degrees = strategy.spec.degrees
+    for axis, why in LLAMA_UNSUPPORTED_AXES.items():
+        if degrees[axis] > 1:
+            instead = dataclasses.replace(strategy, spec=ParallelSpec(dict(degrees, **{axis: 1, "data": degrees["data"] * degrees[axis]})))
+            raise JaxparError(
+                f"the {axis} axis is not supported by model {model} yet: {why}; drop {axis}={degrees[axis]} "
+                f"from the strategy, e.g. --strategy {instead}"
+            )
+
+
+def _check_unused_options(run: RunConfig, strategy: Strategy):
+    """Refuse options the layout would silently ignore: the user meant something by them."""
+    train, defaults = run.train, TrainConfig()
+    unused = []  # (TrainConfig field, why it does nothing here and what to do)
+    if strategy.spec.degrees["stage"] == 1:
+        why = f"strategy {strategy} has no stage axis, so no pipeline runs; drop it or add stage=N to --strategy"
+        unused += [("schedule", why), ("chunks", why)]
+    if train.grad_sync == "exact":
+        why = "--grad-sync exact sums gradients exactly; drop it or choose a compressed sync, e.g. --grad-sync dynamiq"
+        unused += [("grad_sync_bits", why), ("grad_sync_axes", why)]
+    for field, why in unused:
+        value = getattr(train, field)
+        if field in run.explicit or value != getattr(defaults, field):
+            shown = ",".join(value) if isinstance(value, tuple) else value
+            raise JaxparError(f"--{field.replace('_', '-')} {shown} does nothing here: {why}")
+
+
+# float32 weights, float32 gradient buffer, Adam's two float32 moments
+STATE_BYTES_PER_PARAM = 16
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def check_fits_fully_sharded(num_params: int, topology: Topology, model: str = "the model"):
+    """Refuse, before building anything, a model whose training state cannot fit even when every
+    byte of it is sharded over all chips."""
+    need = STATE_BYTES_PER_PARAM * num_params / topology.num_chips
+    if need > topology.hbm_bytes:
+        chips = math.ceil(STATE_BYTES_PER_PARAM * num_params / topology.hbm_bytes)
+        raise JaxparError(
+            f"{model} ({num_params / 1e9:.1f}B weights) needs {_size(need)} per chip for weights, gradients and Adam "
+            f"state even fully sharded over the {topology.num_chips} chips of {topology.name}, which have "
+            f"{_size(topology.hbm_bytes)} each: short by {_size(need - topology.hbm_bytes)} per chip "
+            f"before any activation. Use a topology with more than {chips} chips"
+        )
+
+
+def state_bytes_per_chip(trainer: Trainer) -> dict[str, int]:
+    """Weights and optimizer state per chip, read from the shardings the step is compiled with."""
+    state = trainer.abstract_state()
+
+    def total(tree):
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim)
+
+    return {"parameters": total(state.params), "optimizer": total(state.opt_state)}
+
+
+def check_state_fits(trainer: Trainer, topology: Topology, what: str):
+    """Refuse a layout whose weights and optimizer state alone, as its shardings store them,
+    exceed one chip's memory (gradients and activations come on top)."""
+    need = sum(state_bytes_per_chip(trainer).values())
+    if need > topology.hbm_bytes:
+        raise JaxparError(
+            f"{what} keeps {_size(need)} of weights and optimizer state on each device, more than the "
+            f"{_size(topology.hbm_bytes)} per chip of {topology.name}; shard them more (e.g. --strategy fsdp=-1) "
+            f"or choose a topology with more memory per chip"
+        )
 
 
 def model_config(name: str, remat: str = "none") -> llama.LlamaConfig:
@@ -65,14 +205,19 @@ def devices_for(topology: Topology):
 
 def build_trainer(run: RunConfig, topology: Topology):
     """(Trainer, parsed strategy, model config) of a run: its Llama under its strategy on the
-    topology's devices. Nothing is allocated."""
+    topology's devices. Nothing is allocated; a state that cannot fit in the topology's memory, a
+    mesh axis the model cannot use and options the layout would ignore are refused first."""
     cfg = model_config(run.model, run.remat)
+    check_fits_fully_sharded(cfg.num_params(), topology, run.model)
     devices = devices_for(topology)
     strategy = parse_strategy(run.strategy, len(devices))
+    check_model_axes(strategy, run.model)
+    _check_unused_options(run, strategy)
     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
     train_cfg = dataclasses.replace(run.train, total_steps=run.steps)
     trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, train_cfg,
                       pipeline=functools.partial(pipeline.llama_pieces, cfg))
+    check_state_fits(trainer, topology, f"{run.model} under {strategy}")
     return trainer, strategy, cfg
 
 
@@ -82,7 +227,7 @@ def _scalar(x) -> float:
 
 
 def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, resume: str, log):
-    """(state, first step) of a fresh run or of the checkpoint it resumes."""
+    """(state, first step, checkpoint meta or None) of a fresh run or of the checkpoint it resumes."""
     latest = ckpt.latest_step() if ckpt else None
     if latest is None or resume == "never":
         if latest is not None:
@@ -90,14 +235,14 @@ def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, re
                 f"checkpoint directory {ckpt.directory} already holds checkpoints {ckpt.steps()}; pass --resume to "
                 "continue from the latest, or choose another --checkpoint-dir (nothing there is overwritten)"
             )
-        return trainer.init(run.seed), 0
-    state, meta = ckpt.restore(trainer.abstract_state())
+        return trainer.init(run.seed), 0, None
+    state, meta = ckpt.restore_newest_verified(trainer.abstract_state(), log)  # a damaged newest one is named and skipped
     saved = meta["data"]
     changed = [f"{k} {saved[k]} -> {v}" for k, v in _data_position(run, 0).items() if k != "next_step" and saved[k] != v]
     if changed:
         log(f"note: resuming with other data settings ({', '.join(changed)}): later batches differ from the original run's")
     log(f"resuming from checkpoint {meta['step']} in {ckpt.directory} (saved under {meta['strategy']} on {meta['devices']} devices)")
-    return state, meta["step"]
+    return state, meta["step"], meta
 
 
 def _data_position(run: RunConfig, next_step: int) -> dict:
@@ -106,18 +251,22 @@ def _data_position(run: RunConfig, next_step: int) -> dict:
 
 def run_training(
     run: RunConfig, topology: Topology, progress=sys.stderr,
-    checkpoint: CheckpointConfig | None = None, resume: str = "never",
+    checkpoint: CheckpointConfig | None = None, resume: str = "never", catch_signals: bool = True,
 ) -> dict:
     """Train and return the report (per-step losses and times, memory, communication).
 
     With ``checkpoint``, the state is saved every ``checkpoint.every`` steps and after the last;
     ``resume`` is ``never`` (the directory must hold no checkpoint), ``auto`` (continue from the
-    latest complete checkpoint if there is one) or ``required`` (there must be one). In a
-    multi-process job every process calls this; only process 0 prints."""
-    if resume not in ("never", "auto", "required"):
-        raise JaxparError(f"resume={resume!r} is not one of never, auto, required")
-    if resume != "never" and checkpoint is None:
-        raise JaxparError("resuming needs a checkpoint directory: pass --checkpoint-dir")
+    latest complete checkpoint if there is one) or ``required`` (there must be one). A resumed
+    run's report holds every step of the job: the checkpoint keeps the earlier steps' figures.
+
+    With ``catch_signals`` (and one process, called from the main thread), SIGINT and SIGTERM
+    stop training after the step in progress: the state is saved (with ``checkpoint``) and the
+    report says ``interrupted``: "SIGINT" or "SIGTERM" (the held-out loss is then not computed).
+    A multi-process job is not stopped this way: its processes would stop at different steps and
+    wait for each other; it resumes from its last periodic checkpoint. In a multi-process job every
+    process calls this; only process 0 prints."""
+    check_run(run, checkpoint, resume)
     lead = jax.process_index() == 0
     log = (lambda msg: print(msg, file=progress, flush=True)) if (progress and lead) else (lambda msg: None)
     trainer, strategy, cfg = build_trainer(run, topology)
@@ -131,53 +280,66 @@ def run_training(
     else:
         ckpt = Checkpointer(checkpoint) if checkpoint else None
 
-    state, start = _start_state(trainer, run, ckpt, resume, log)
+    state, start, resumed = _start_state(trainer, run, ckpt, resume, log)
     example = trainer.abstract_batch(run.batch_size, run.seq_len)
     compiled = trainer.jit_step(example).lower(state, example).compile()
     meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": layout.mesh.size, "processes": jax.process_count()}
     batch_of = lambda corpus, step: trainer.put_process_batch(  # noqa: E731
         run.batch_size, lambda a, b: data.local_batch_at(corpus, step, run.batch_size, run.seq_len, run.seed, a, b)
     )
-    losses, grad_norms, times, save_pauses = [], [], [], []
+    # the job's figures so far (checkpoints saved before they were kept hold none)
+    history = (resumed or {}).get("history", {"losses": [], "grad_norms": [], "step_times_s": []})
+    losses, grad_norms, times = (list(history[k]) for k in ("losses", "grad_norms", "step_times_s"))
+    first_loss_step = start - len(losses) + 1
+    save_pauses = []
     nonfinite = None  # the first step whose loss or gradient norm is NaN or infinite
     bar = _Progress(start, run.steps, progress) if (progress and lead and start < run.steps) else None
-    for step in range(start, run.steps):
-        batch = batch_of(tokens, step)
-        report_progress("start", step + 1)  # from here on, this process waits for the others in collectives
-        began = time.perf_counter()
-        try:
-            state, metrics = compiled(state, batch)
-            loss = _scalar(metrics["loss"])  # waits for the step: the time below is the step's own
-            grad_norm = _scalar(metrics["grad_norm"])
-        except jax.errors.JaxRuntimeError as err:
-            if jax.process_count() == 1:
-                raise
-            raise JaxparError(
-                f"step {step + 1} failed in a collective: another process of the job has probably died or hung "
-                f"({str(err).splitlines()[0]}); restart the job from the last checkpoint with --resume"
-            ) from err
-        times.append(time.perf_counter() - began)
-        losses.append(loss)
-        grad_norms.append(grad_norm)
-        if nonfinite is None and not (np.isfinite(loss) and np.isfinite(grad_norm)):
-            nonfinite = {"step": step + 1, "loss": loss, "grad_norm": grad_norm}
-            log(nonfinite_message(nonfinite))  # at once: the summary comes only at the end
-        report_progress("done", step + 1)
-        if bar:
-            bar.update(step + 1, loss, run.batch_size * run.seq_len / times[-1])
-        if ckpt and ckpt.should_save(step + 1, run.steps):
+    done = start  # steps of the job completed
+    catch = catch_signals and jax.process_count() == 1 and threading.current_thread() is threading.main_thread()
+    with StopSignals(catch) as stop:
+        for step in range(start, run.steps):
+            batch = batch_of(tokens, step)
+            report_progress("start", step + 1)  # from here on, this process waits for the others in collectives
             began = time.perf_counter()
-            ckpt.save(step + 1, state, dict(meta, data=_data_position(run, step + 1)))
-            save_pauses.append(time.perf_counter() - began)  # training waits this long; the writing goes on behind
-    if bar:
-        bar.close()
-    report_progress("evaluating", run.steps)
-    if ckpt:
-        ckpt.wait()
-        ckpt.close()
+            try:
+                state, metrics = compiled(state, batch)
+                loss = _scalar(metrics["loss"])  # waits for the step: the time below is the step's own
+                grad_norm = _scalar(metrics["grad_norm"])
+            except jax.errors.JaxRuntimeError as err:
+                if jax.process_count() == 1:
+                    raise
+                raise JobFailed(
+                    f"step {step + 1} failed in a collective: another process of the job has probably died or hung "
+                    f"({str(err).splitlines()[0]}); restart the job from the last checkpoint with --resume"
+                ) from err
+            times.append(time.perf_counter() - began)
+            losses.append(loss)
+            grad_norms.append(grad_norm)
+            done = step + 1
+            if nonfinite is None and not (np.isfinite(loss) and np.isfinite(grad_norm)):
+                nonfinite = {"step": done, "loss": loss, "grad_norm": grad_norm}
+                log(nonfinite_message(nonfinite))  # at once: the summary comes only at the end
+            report_progress("done", done)
+            if bar:
+                bar.update(done, loss, run.batch_size * run.seq_len / times[-1])
+            if ckpt and (ckpt.should_save(done, run.steps) or stop.name):
+                began = time.perf_counter()
+                so_far = {"losses": list(losses), "grad_norms": list(grad_norms), "step_times_s": list(times)}  # copies: saving goes on behind
+                ckpt.save(done, state, dict(meta, data=_data_position(run, done), history=so_far))
+                save_pauses.append(time.perf_counter() - began)  # training waits this long; the writing goes on behind
+            if stop.name:
+                break
+        if bar:
+            bar.close()
+        if ckpt:  # still under the handlers: a signal now does not cut the last save short
+            ckpt.wait()
+            ckpt.close()
+    report_progress("evaluating", done)
 
-    eval_fn = jax.jit(trainer.grad_fn())
-    held_out_loss = _scalar(eval_fn(state.params, batch_of(held_out, 0))[0])
+    held_out_loss = None
+    if not stop.name:  # an interrupted run stops here, without compiling the evaluation
+        eval_fn = jax.jit(trainer.grad_fn())
+        held_out_loss = _scalar(eval_fn(state.params, batch_of(held_out, 0))[0])
     steady = times[1:] or times or [float("nan")]
     tokens_per_s = run.batch_size * run.seq_len / float(np.median(steady))
     measured = memory.measured_memory(trainer, compiled)
@@ -193,6 +355,9 @@ def run_training(
         "processes": jax.process_count(),
         "steps": run.steps,
         "start_step": start,
+        "last_step": done,
+        "interrupted": stop.name,
+        "first_loss_step": first_loss_step,  # losses[i] (and grad_norms, step_times_s) is step first_loss_step + i
         "batch_size": run.batch_size,
         "seq_len": run.seq_len,
         "seed": run.seed,
@@ -212,6 +377,43 @@ def run_training(
         "communication": comm,
         "checkpoints": {"directory": ckpt.directory, "steps": ckpt.steps(), "save_pause_s": save_pauses} if ckpt else None,
     }
+
+
+class StopSignals:
+    """While active, SIGINT and SIGTERM do not kill the process: ``name`` records the first one
+    ("SIGINT" or "SIGTERM") for the training loop to stop at the next step boundary. That first
+    signal puts the previous handlers back, so a second one acts at once as it would have."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, active: bool = True):
+        self.active, self.name, self.previous = active, None, {}
+
+    def __enter__(self):
+        if self.active:
+            self.previous = {sig: signal.signal(sig, self._caught) for sig in self.SIGNALS}
+        return self
+
+    def _caught(self, signum, frame):
+        self.name = signal.Signals(signum).name
+        self._restore()
+
+    def _restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+    def __exit__(self, *exc):
+        self._restore()
+
+
+def interruption_message(report: dict) -> str:
+    """The one-line summary of an interrupted run: where it stopped and how to go on."""
+    where = f"interrupted by {report['interrupted']} after step {report['last_step']} of {report['steps']}"
+    saved = report["checkpoints"]
+    if saved and report["last_step"] in saved["steps"]:
+        return f"{where}; checkpoint {report['last_step']} saved in {saved['directory']}; resume with --resume"
+    return f"{where}; no checkpoint saved (with --checkpoint-dir a run can be resumed)"
 
 
 def nonfinite_message(nonfinite: dict) -> str:
@@ -253,17 +455,21 @@ class _Progress:
 
 
 def write_json_atomically(path: str, payload: dict):
-    """Write to a temporary file next to ``path`` and rename it: never a half-written file."""
+    """Write to a temporary file next to ``path`` and rename it: never a half-written file. The
+    file gets the permissions any new file of the user gets (``open`` applies the umask). A write
+    that fails (a full disk) raises ``JobFailed`` with the reason, and leaves nothing behind."""
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".metrics-", suffix=".json")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "w") as f:
             json.dump(payload, f, indent=1, default=float)
         os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    except OSError as err:
+        raise JobFailed(f"could not write {path} ({err.strerror or err}); free some space there or choose another path") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # gone already when the rename succeeded
 
 
 def format_summary(report: dict) -> str:
@@ -281,7 +487,7 @@ def format_summary(report: dict) -> str:
         lo, hi = min(finite), max(finite)
         for i in sorted(set([0] + [round(i * (len(losses) - 1) / 9) for i in range(10)])):
             bar = "#" * int(1 + 40 * (losses[i] - lo) / max(hi - lo, 1e-9)) if np.isfinite(losses[i]) else ""
-            lines.append(f"  {first + i + 1:5d}: {losses[i]:7.4f} {bar}")
+            lines.append(f"  {report['first_loss_step'] + i:5d}: {losses[i]:7.4f} {bar}")
     else:
         lines.append(f"  (none: the checkpoint is already at step {first} of {report['steps']})")
     if report.get("nonfinite"):
@@ -294,8 +500,11 @@ def format_summary(report: dict) -> str:
         pauses = report["checkpoints"]["save_pause_s"]
         pause = f"; training paused {1000 * float(np.median(pauses)):.0f} ms per save (median)" if pauses else ""
         lines.append(f"checkpoints {report['checkpoints']['steps']} in {report['checkpoints']['directory']}{pause}")
+    if report["interrupted"]:
+        lines.append(interruption_message(report))
+    else:
+        lines.append(f"held-out loss {report['held_out_loss']:.4f}")
     lines += [
-        f"held-out loss {report['held_out_loss']:.4f}",
         f"throughput {report['tokens_per_s']:,.0f} tokens/s (median step; compile excluded)",
         "",
         "memory per device          measured      ZeRO table",

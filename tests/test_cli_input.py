@@ -1,0 +1,198 @@
+"""Bad input is refused up front, in one line that names the value and the fix, with exit status 2,
+by every command that takes it; signals, the launcher's clean-up and output files behave as the
+README's "Exit statuses" says. No training step runs here: each test takes well under a second
+(the interrupted and resumed job is in test_main_job.py)."""
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import jax
+import pytest
+
+from jaxpar import cli, launch
+from jaxpar.errors import JobFailed, SpecError
+from jaxpar.parallel import parse_strategy
+from jaxpar.topology import meshes_dir
+from jaxpar.train import bench, loop
+from jaxpar.train.step import Trainer
+
+BAD_INPUT = [
+    # train: numbers
+    ("train --learning-rate -1", "--learning-rate -1 "),
+    ("train --learning-rate nan", "--learning-rate nan "),
+    ("train --learning-rate inf", "--learning-rate inf "),
+    ("train --learning-rate 0", "--learning-rate 0 "),
+    ("train --warmup-steps -5", "--warmup-steps -5 "),
+    ("train --steps 0", "--steps 0 "),
+    ("train --steps -3", "--steps -3 "),
+    ("train --batch-size -8", "--batch-size -8 "),
+    ("train --batch-size 0", "--batch-size 0 "),
+    ("train --seq-len 0", "--seq-len 0 "),
+    ("train --microbatches 0", "--microbatches 0 "),
+    ("train --chunks 0", "--chunks 0 "),
+    ("train --checkpoint-dir {tmp}/ckpt --checkpoint-every 0", "--checkpoint-every 0 "),
+    ("train --checkpoint-dir {tmp}/ckpt --keep-checkpoints 0", "--keep-checkpoints 0 "),
+    ("train --batch-size 6", "multiple of 4"),
+    # train: strategies and the options that go with them
+    ("train --strategy fsdp=2,fsdp=8", "axis 'fsdp' is given twice"),
+    ("train --strategy fsdp=8,zero=1,zero=3", "option 'zero' is given twice"),
+    ("train --strategy data=3", "multiplies to 3"),
+    ("train --strategy tensor=8", "kv_heads"),
+    ("train --strategy context=2,fsdp=4", "the context axis is not supported by model tiny yet"),
+    ("train --strategy expert=2,fsdp=4", "the expert axis is not supported by model tiny yet"),
+    ("train --grad-sync-bits 4", "--grad-sync-bits 4.0 does nothing"),
+    ("train --grad-sync-axes data", "--grad-sync-axes data does nothing"),
+    ("train --schedule gpipe", "--schedule gpipe does nothing"),
+    ("train --schedule 1f1b", "--schedule 1f1b does nothing"),  # the default, but given: the user meant something
+    ("train --chunks 2", "--chunks 2 does nothing"),
+    # train: model, hardware, fit
+    ("train --model gpt5", "gpt5"),
+    ("train --topology tpu-v9-1", "tpu-v9-1"),
+    ("train --model llama2-70b --strategy fsdp=8", "llama2-70b (69.0B weights) needs"),
+    ("train --strategy data=8 --topology {tmp}/small-hbm.toml", "tiny under data=8 keeps"),
+    # train: where the outputs go
+    ("train --metrics-json {tmp}/file/metrics.json", "{tmp}/file is a file, not a directory"),
+    ("train --metrics-json {tmp}", "--metrics-json {tmp} is an existing directory"),
+    ("train --metrics-json /proc/jaxpar/metrics.json", "--metrics-json /proc/jaxpar/metrics.json cannot be written"),
+    ("train --checkpoint-dir {tmp}/file", "--checkpoint-dir {tmp}/file is an existing file"),
+    ("train --resume", "--resume needs --checkpoint-dir"),
+    # compile
+    ("compile --model tiny --topology cpu-8 --seq-len 0", "--seq-len 0 "),
+    ("compile --model tiny --topology cpu-8 --batch-size -8", "--batch-size -8 "),
+    ("compile --model tiny --topology cpu-8 --strategy fsdp=2,fsdp=8", "axis 'fsdp' is given twice"),
+    ("compile --model tiny --topology cpu-8 --strategy context=2,fsdp=4", "the context axis is not supported"),
+    ("compile --model llama2-70b --topology cpu-8 --strategy fsdp=8", "llama2-70b (69.0B weights) needs"),
+    ("compile --model tiny --topology cpu-8 --json {tmp}", "--json {tmp} is an existing directory"),
+    # bench: every entry is checked before the first runs (run_training is forbidden below)
+    ("bench --steps 0", "--steps 0 is too small: it must be at least 2"),
+    ("bench --steps 1", "--steps 1 is too small: it must be at least 2"),
+    ("bench --batch-size 0", "--batch-size 0 "),
+    ("bench --seq-len 0", "--seq-len 0 "),
+    ("bench --strategies ;", "--strategies ';': entry 1 of 2 is empty"),
+    ("bench --strategies data=8;bogus=3", "'bogus'"),
+    ("bench --strategies data=8;context=2,fsdp=4", "the context axis is not supported"),
+    ("bench --json {tmp}/file/rows.json", "{tmp}/file is a file, not a directory"),
+    # launch
+    ("launch -- /nonexistent", "command '/nonexistent' was not found"),
+    ("launch", "a command is needed after '--'"),
+    ("launch --", "a command is needed after '--'"),
+    ("launch --processes 0 -- true", "--processes 0 "),
+]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if anything is allocated, compiled, run or started."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("work started before the bad input was refused")
+
+    for name in ("init", "init_programs", "jit_step"):
+        monkeypatch.setattr(Trainer, name, forbidden)
+    monkeypatch.setattr(bench, "run_training", forbidden)
+    monkeypatch.setattr(launch, "_Attempt", forbidden)
+
+
+@pytest.fixture
+def places(tmp_path):
+    """tmp_path with a plain file in it and a topology like cpu-8 whose chips hold only 4 MiB: the
+    tiny model's state fits fully sharded (1.7 MB per chip) but not replicated (10 MB under data=8)."""
+    (tmp_path / "file").write_text("not a directory")
+    cpu8 = (meshes_dir() / "cpu-8.toml").read_text()
+    (tmp_path / "small-hbm.toml").write_text(cpu8.replace('name = "cpu-8"', 'name = "small-hbm"').replace("hbm_gib = 16", "hbm_gib = 0.004"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("command, culprit", BAD_INPUT, ids=[c for c, _ in BAD_INPUT])
+def test_bad_input_is_refused_in_one_line_before_any_work(command, culprit, places, no_work, capsys):
+    argv = [arg.format(tmp=places) for arg in command.split()]
+    before = {id(a) for a in jax.live_arrays()}
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"jaxpar {argv[0]}: "), err
+    assert culprit.format(tmp=places) in err
+    assert {id(a) for a in jax.live_arrays()} <= before  # no device memory touched
+
+
+def test_a_spec_needs_devices():
+    with pytest.raises(SpecError, match="laid over 0 devices"):
+        parse_strategy("fsdp=-1", 0)
+    with pytest.raises(SpecError, match="laid over -2 devices"):
+        parse_strategy("data=1", -2)
+
+
+def test_stop_signals_stop_at_the_boundary_and_restore_the_handlers():
+    """The handler the training loop installs, with a real SIGTERM sent to this process."""
+    previous = signal.getsignal(signal.SIGTERM)
+    with loop.StopSignals() as stop:
+        assert signal.getsignal(signal.SIGTERM) == stop._caught
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered before os.kill returns; the handler runs next
+        assert stop.name == "SIGTERM"
+        assert signal.getsignal(signal.SIGTERM) == previous  # a second signal would act at once
+    assert signal.getsignal(signal.SIGTERM) == previous
+    with loop.StopSignals(active=False) as idle:  # several processes, or not the main thread
+        assert signal.getsignal(signal.SIGTERM) == previous and idle.name is None
+    assert cli.EXIT_ON_SIGNAL == {"SIGINT": 130, "SIGTERM": 143}
+
+
+def _own_launch_dirs(root):
+    return sorted(p for p in os.listdir(root) if p.startswith("jaxpar-launch-"))
+
+
+@pytest.mark.parametrize(
+    "script, status",
+    [
+        ("pass", cli.EXIT_OK),
+        ("import sys; sys.exit(3)", cli.EXIT_FAILED),  # JobFailed: no restarts left
+        ("import sys; sys.exit(2)", cli.EXIT_BAD_INPUT),  # the job refused its input: not restarted
+        # the launcher itself is stopped: it stops the job (this sleeper) and cleans up on its way out
+        ("import os, signal, time; os.kill(os.getppid(), signal.SIGTERM); time.sleep(60)", cli.EXIT_SIGTERM),
+    ],
+    ids=["done", "failed", "bad-input", "sigterm"],
+)
+def test_launcher_removes_its_status_directory_on_every_exit(script, status, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where launch makes its directory
+    argv = ["launch", "--processes", "1", "--max-restarts", "1", "--", sys.executable, "-c", script]
+    assert cli.main(argv) == status
+    out, err = capsys.readouterr()
+    assert "progress reports in " + str(tmp_path / "jaxpar-launch-") in out  # it did make one...
+    assert _own_launch_dirs(tmp_path) == []  # ... and removed it
+    assert ("restart 1 of 1" in out) == (status == cli.EXIT_FAILED)
+    if status != cli.EXIT_OK:
+        assert len(err.strip().splitlines()) == 1, err
+    if status == cli.EXIT_BAD_INPUT:
+        assert "exited with status 2: the command refused its input" in err
+
+
+def test_metrics_file_honours_the_umask(tmp_path):
+    path = tmp_path / "runs" / "metrics.json"
+    old = os.umask(0o027)
+    try:
+        loop.write_json_atomically(str(path), {"losses": [1.0]})
+    finally:
+        os.umask(old)
+    assert json.loads(path.read_text()) == {"losses": [1.0]}
+    assert path.stat().st_mode & 0o777 == 0o640  # what open() gives any new file, not mkstemp's 0600
+    assert os.listdir(path.parent) == ["metrics.json"]
+
+
+def test_a_full_disk_is_one_message_and_leaves_nothing_behind(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        with open(disk / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+            while True:  # until the disk is full
+                filler.write(bytes(4096))
+        path = disk / "metrics.json"
+        with pytest.raises(JobFailed) as failed:
+            loop.write_json_atomically(str(path), {"losses": [1.0] * 1000})
+        assert str(failed.value) == f"could not write {path} (No space left on device); free some space there or choose another path"
+        assert os.listdir(disk) == ["filler"]  # no half-written file, no temporary
+    finally:
+        subprocess.run(["umount", str(disk)])
