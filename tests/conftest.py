@@ -1,7 +1,29 @@
-"""Test set-up: 8 simulated CPU devices, set before JAX initialises."""
+"""Test set-up: 8 simulated CPU devices, set before JAX initialises, and one compilation cache for
+the whole run.
+
+The cache: many tests compile the same program (the tiny Llama's step under one layout, built by
+another Trainer, or in a subprocess that `jaxpar train` starts). JAX's persistent compilation cache
+keys programs by their HLO, so each is compiled once per run. The directory is made by the first
+process that imports this file (pytest, or its xdist controller) and handed to the workers and
+every subprocess through the environment; it is removed when the run ends.
+"""
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxpar-test-compilation-cache-")
+    os.environ["JAXPAR_TEST_OWNS_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # small programs too: the suite has hundreds
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_sessionfinish(session):
+    owned = os.environ.get("JAXPAR_TEST_OWNS_CACHE")
+    if owned and not hasattr(session.config, "workerinput"):  # the controller, after every worker is done
+        shutil.rmtree(owned, ignore_errors=True)
