@@ -15,6 +15,7 @@ TINY = llama.CONFIGS["tiny"]
 BATCH, SEQ = 16, 32
 
 
+@functools.cache  # the traffic and the memory tests read the same compiled step
 def compiled(strategy_text, cfg=TrainConfig(), model_cfg=TINY):
     strategy = parse_strategy(strategy_text, 8)
     pieces = functools.partial(pl.llama_pieces, model_cfg) if strategy.spec.degrees["stage"] > 1 else None

@@ -188,12 +188,12 @@ def test_job_killed_during_a_save_resumes_from_the_previous_checkpoint(saved, tm
     # SIGKILL the job at the moment checkpoint 4 would be committed (its files are written)
     killed = _cli(os.path.join(JOBS, "kill_during_save.py"), "4", *CLI_RUN, "--checkpoint-dir", str(target))
     assert killed.returncode == -9, killed.stderr[-2000:]
-    assert sorted(os.listdir(target)) == ["2", "4.orbax-checkpoint-tmp"]
+    assert sorted(os.listdir(target)) == ["2", "4.orbax-checkpoint-tmp", LOCK_NAME]
     assert Checkpointer(CheckpointConfig(str(target)), create=False).latest_step() == 2
     resumed = _cli("-m", "jaxpar.cli", *CLI_RUN, "--checkpoint-dir", str(target), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from checkpoint 2" in resumed.stderr
-    assert sorted(os.listdir(target)) == ["2", "4"]  # the interrupted save's leftovers are gone
+    assert sorted(os.listdir(target)) == ["2", "4", LOCK_NAME]  # the interrupted save's leftovers are gone
     a, _ = load_arrays(str(directory))
     b, _ = load_arrays(str(target))
     for path in a:

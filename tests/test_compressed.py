@@ -190,7 +190,7 @@ def test_accuracy_on_gradient_like_data(mesh, algorithm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["ring", "butterfly"])
+@pytest.mark.parametrize("algorithm", ["butterfly"])  # the ring's accuracy is checked on gradient-like data above
 def test_accuracy_on_tiny_llama_gradients(mesh, algorithm):
     from flax import nnx
 

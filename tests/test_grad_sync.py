@@ -317,17 +317,3 @@ def test_bad_options_are_refused_in_words(strategy, options, error, culprit):
 def test_cli_refuses_bad_sync_options_with_the_culprit(args, culprit, capsys):
     assert cli.main(["train", "--steps", "1", *args]) == 2
     assert culprit in capsys.readouterr().err
-
-
-# ---------------------------------------------------------------- the main job, 300 steps
-
-
-@pytest.mark.slow
-def test_dynamiq_trains_like_exact_sync_over_300_steps():
-    final = {}
-    for sync in ("exact", "dynamiq"):
-        run = RunConfig(model="tiny", strategy="data=8", steps=300, batch_size=16, seq_len=64, train=TrainConfig(grad_sync=sync))
-        report = run_training(run, load_topology("cpu-8"), progress=None)
-        final[sync] = float(np.mean(report["losses"][-10:]))  # same batches in each run: the mean of the last 10 steps
-        print(f"{sync}: final loss (mean of the last 10 steps) {final[sync]:.4f}, held-out {report['held_out_loss']:.4f}")
-    assert abs(final["dynamiq"] - final["exact"]) < 0.01 * final["exact"]

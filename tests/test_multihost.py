@@ -154,7 +154,8 @@ def test_killed_process_is_noticed_and_the_job_restarts_to_the_same_parameters(t
 @pytest.mark.slow
 def test_hung_process_is_named_and_the_job_stopped(tmp_path):
     job = Job(["--processes", "2", "--devices-per-process", "4", "--hang-timeout", "5"],
-              [sys.executable, os.path.join(JOBS, "hang_in_data.py"), "3", *TRAIN[1:]], tmp_path / "status")
+              [sys.executable, os.path.join(JOBS, "hang_in_data.py"), "3", *TRAIN[1:], "--checkpoint-dir", str(tmp_path / "ckpt")],
+              tmp_path / "status")
     job.wait_for_step(0, 3)
     stuck_at = time.time()
     assert job.wait() == 1  # a failed job

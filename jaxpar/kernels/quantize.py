@@ -46,7 +46,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxpar.collectives.quantize import GROUP, MAX_BITS, dither_at, group_step, set_group_impl

@@ -31,6 +31,7 @@ stage's moved to the first's devices) and each copy takes the same update, so th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -337,11 +338,7 @@ class MPMDPipeline:
         """Each stage's weights updated by its own optimizer state. The optimizer must work entry by
         entry (SGD, Adam, AdamW...): a transform that mixes entries (global-norm clipping) would see
         only one stage. ``weights`` and ``states`` are donated. Returns (weights, states)."""
-        def update(params, grads, state):
-            updates, state = optimizer.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-        update = jax.jit(update, donate_argnums=(0, 2))
+        update = _jitted_update(optimizer)
         chunks, edge, new_states = [], {}, []
         for s in range(self.schedule.stages):
             params, state = update(weights.stage(s), grads.stage(s), states[s])
@@ -350,3 +347,13 @@ class MPMDPipeline:
                 edge[s] = params["edge"]
             new_states.append(state)
         return StageWeights(chunks, edge), new_states
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_update(optimizer: optax.GradientTransformation):
+    """One jitted update per optimizer, traced once per stage's shapes rather than at every step."""
+    def update(params, grads, state):
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(update, donate_argnums=(0, 2))

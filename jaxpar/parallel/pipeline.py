@@ -113,7 +113,7 @@ def _colour(intervals: dict[Any, tuple[int, int]]) -> tuple[dict[Any, int], int]
 def lower(schedule: Schedule) -> Program:
     """Turn a validated schedule into the executor's instructions and buffer sizes."""
     schedule.validate()
-    S, v, V = schedule.stages, schedule.chunks, schedule.virtual_stages
+    S, V = schedule.stages, schedule.virtual_stages
     tf, tb = schedule.times()
     per_device_acts: list[dict] = [{} for _ in range(S)]
     per_device_cots: list[dict] = [{} for _ in range(S)]
