@@ -2,7 +2,7 @@
 each device sends per step to reduce the gradients, read from the compiled step.
 
     python examples/compressed_grad_sync.py [--steps 40] [--strategy data=8] [--batch-size 16] [--seq-len 64]
-                                            [--warmup-steps 20]
+                                            [--warmup-steps 20] [--syncs exact dynamiq int8]
 
 Runs on 8 simulated CPU devices (set here before JAX starts). The three runs see the same batches
 from the same initial weights, so their losses differ only by what compression changes. Exits with
@@ -31,9 +31,11 @@ def main():
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--warmup-steps", type=int, default=20, help="of the learning rate; a short run needs fewer")
+    parser.add_argument("--syncs", nargs="+", default=["exact", "dynamiq", "int8"], choices=["exact", "dynamiq", "int8"],
+                        help="the syncs to train with (exact and dynamiq are always compared)")
     args = parser.parse_args()
     rows = []
-    for sync in ("exact", "dynamiq", "int8"):
+    for sync in dict.fromkeys(["exact", "dynamiq", *args.syncs]):
         train = TrainConfig(grad_sync=sync, warmup_steps=args.warmup_steps)
         run = RunConfig(model="tiny", strategy=args.strategy, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, train=train)
         report = run_training(run, load_topology("cpu-8"), progress=None)
