@@ -38,7 +38,7 @@ def _simulate_cpu_devices(count: int):
 def _train_parser(sub):
     p = sub.add_parser("train", help="train a Llama under a layout on the shipped corpus (default: tiny, cpu-8, fsdp=4,tensor=2)")
     p.add_argument("--model", default="tiny", help="tiny | llama-1b | llama2-7b | llama3-8b | llama2-70b")
-    p.add_argument("--topology", default="cpu-8", help="a name from meshes/ or a path to a topology TOML file")
+    p.add_argument("--topology", default="cpu-8", help="a name from jaxpar/meshes/ or a path to a topology TOML file")
     p.add_argument("--strategy", default="fsdp=4,tensor=2", help='parallel spec and options, e.g. "data=2,fsdp=-1,tensor=2,zero=3,sp=off"')
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")

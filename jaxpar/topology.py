@@ -1,6 +1,6 @@
-"""Topologies: the hardware a layout runs on, read from ``meshes/<name>.toml`` or from JAX's devices.
+"""Topologies: the hardware a layout runs on, read from ``jaxpar/meshes/<name>.toml`` or from JAX's devices.
 
-The TOML schema is documented in ``meshes/README.md``. Files use vendor units (GB/s, GiB, TFLOP/s);
+The TOML schema is documented in ``jaxpar/meshes/README.md``. Files use vendor units (GB/s, GiB, TFLOP/s);
 a ``Topology`` holds SI base units (bytes, bytes/s, FLOP/s) so that cost models never convert.
 JAX is imported only inside ``local_topology()``: reading a file must not initialise a backend.
 """
@@ -70,9 +70,9 @@ _EXAMPLES = {"str": '"text"', "int": "8", "num": "100.0", "shape": "[4, 4, 8]"}
 
 
 def meshes_dir() -> pathlib.Path:
-    """``$JAXPAR_MESHES`` if set, else the ``meshes/`` folder at the repository root."""
+    """``$JAXPAR_MESHES`` if set, else the topology files shipped inside the package (``jaxpar/meshes/``)."""
     env = os.environ.get("JAXPAR_MESHES")
-    return pathlib.Path(env) if env else pathlib.Path(__file__).resolve().parent.parent / "meshes"
+    return pathlib.Path(env) if env else pathlib.Path(__file__).resolve().parent / "meshes"
 
 
 def list_topologies() -> list[str]:
@@ -104,7 +104,7 @@ def _unknown_name(name: str) -> str:
     return (
         f"unknown topology {name!r}.{hint} Known topologies in {meshes_dir()}: "
         f"{', '.join(known) or '(none)'}. Pass one of these, a path to a .toml file, or add "
-        f"{name}.toml there (schema in meshes/README.md)."
+        f"{name}.toml there (schema in jaxpar/meshes/README.md)."
     )
 
 
@@ -143,13 +143,13 @@ def _from_dict(data: dict, path: pathlib.Path) -> Topology:
         if key not in _KEYS:
             close = difflib.get_close_matches(key, list(_KEYS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TopologyError(f"{where}: unknown key {key!r}{hint} (keys: meshes/README.md)")
+            raise TopologyError(f"{where}: unknown key {key!r}{hint} (keys: jaxpar/meshes/README.md)")
     missing = [k for k in _KEYS if k not in data and k not in _OPTIONAL]
     if missing:
         raise TopologyError(
             f"{where}: missing required key {missing[0]!r}"
             + (f" (also missing: {', '.join(missing[1:])})" if missing[1:] else "")
-            + f"; add e.g. {missing[0]} = {_EXAMPLES[_KEYS[missing[0]][0]]} (meaning: meshes/README.md)"
+            + f"; add e.g. {missing[0]} = {_EXAMPLES[_KEYS[missing[0]][0]]} (meaning: jaxpar/meshes/README.md)"
         )
     v = {k: _check_value(k, data[k], _KEYS[k][0], where) for k in data}
 

@@ -41,17 +41,6 @@ def test_report_measures_against_the_formulas(report):
     assert report["tokens_per_s"] > 0
 
 
-@pytest.mark.slow
-def test_cli_writes_metrics_json(tmp_path, capsys):
-    path = tmp_path / "out" / "metrics.json"
-    code = cli.main(["train", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--strategy", "data=2,fsdp=4", "--metrics-json", str(path)])
-    assert code == 0
-    saved = json.loads(path.read_text())
-    assert len(saved["losses"]) == 3 and saved["strategy"] == "data=2,fsdp=4"
-    assert not [p for p in path.parent.iterdir() if p.name != "metrics.json"]  # no temporary left behind
-    assert "collectives per step" in capsys.readouterr().out
-
-
 # `jaxpar train` that waits after step N until its stdin gets a line: the test signals it there, so
 # that the step it stops at is known (the signal itself is a real one, from another process)
 PAUSE_AFTER = """
