@@ -21,7 +21,6 @@ Figures go to stdout and to the JSON file (default ./gpu_kernels.json). Runs in 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -38,6 +37,7 @@ import numpy as np  # noqa: E402
 
 from jaxpar.collectives import quantize as Q  # noqa: E402
 from jaxpar.kernels import quantize as K  # noqa: E402
+from jaxpar.kernels import wire as W  # noqa: E402
 
 warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated", DeprecationWarning)
 
@@ -59,12 +59,12 @@ def message(groups: int, seed: int = 0):
 
     @jax.jit
     def make():
-        values = jax.random.t(k1, 1.5, (groups, Q.GROUP), jnp.float32)
+        values = jax.random.t(k1, 1.5, (groups, W.GROUP), jnp.float32)
         values = values * jnp.exp(jax.random.uniform(k2, (groups, 1), jnp.float32, -14.0, 14.0))
         values = values.at[8:16].set(0.0).at[16, 3].set(jnp.nan).at[17, 0].set(jnp.inf)
         gscale = Q.group_scales(*Q.block_scales(values.reshape(-1)))
-        width = jax.random.randint(k3, (groups,), Q.MIN_BITS, Q.MAX_BITS + 1, jnp.int32)
-        local = jax.random.normal(k4, (groups, Q.GROUP), jnp.float32)
+        width = jax.random.randint(k3, (groups,), W.MIN_BITS, W.MAX_BITS + 1, jnp.int32)
+        local = jax.random.normal(k4, (groups, W.GROUP), jnp.float32)
         return values, gscale, width, local
 
     return jax.block_until_ready(make())
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         print(f"no GPU: the default device is {device} (use --interpret-smoke on a machine without one)", file=sys.stderr)
         return 2
     interpret = smoke
-    groups = 1024 + 40 if smoke else args.values // Q.GROUP  # the smoke size also pads a partial tile
+    groups = 1024 + 40 if smoke else args.values // W.GROUP  # the smoke size also pads a partial tile
     runs = 2 if smoke else 20
     peak = None if smoke else hbm_peak(device.device_kind)
     report = {
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         "platform": device.platform,
         "jax": jax.__version__,
         "interpret": interpret,
-        "values": groups * Q.GROUP,
+        "values": groups * W.GROUP,
         "groups": groups,
         "runs_per_median": runs,
         "hbm_bytes_per_s": peak,
@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     }
     print(json.dumps(report), flush=True)
     values, gscale, width, local = message(groups)
-    mseed = Q.message_seed(2024, 1, 3)
-    planes_rand = jax.random.bits(jax.random.key(7), (groups, Q.MAX_BITS), jnp.uint32)
+    mseed = W.message_seed(2024, 1, 3)
+    planes_rand = jax.random.bits(jax.random.key(7), (groups, W.MAX_BITS), jnp.uint32)
 
     def kernels():  # fresh jits: the kernels read K.GPU_* when traced
         return (
@@ -142,8 +142,8 @@ def main(argv=None) -> int:
             jax.jit(lambda p, s, w, m, x: K.decode_groups_kernel(p, s, w, m, START, x, backend="gpu", interpret=interpret)),
         )
 
-    encode_t = jax.jit(lambda v, s, w, m: Q.encode_groups(v, s, w, m, START))
-    decode_t = jax.jit(lambda p, s, w, m, x: Q.decode_groups(p, s, w, m, START, x))
+    encode_t = jax.jit(lambda v, s, w, m: W.encode_groups(v, s, w, m, START))
+    decode_t = jax.jit(lambda p, s, w, m, x: W.decode_groups(p, s, w, m, START, x))
     add = jax.jit(jnp.add)  # a separate add: no FMA with the decode's multiply
 
     def accumulate_compiles():
@@ -174,15 +174,15 @@ def main(argv=None) -> int:
                 got = decode_k(planes, gscale, width, m, local)
                 out[f"decode_local_{tag}_{planes_name}_ieee"] = differing(got, add(plain, local))
                 out[f"decode_local_{tag}_{planes_name}_xla_fused"] = differing(got, decode_t(planes, gscale, width, m, local))
-        out["words_compared_encode"] = groups * Q.MAX_BITS
-        out["words_compared_decode"] = groups * Q.GROUP
+        out["words_compared_encode"] = groups * W.MAX_BITS
+        out["words_compared_decode"] = groups * W.GROUP
         out["all_equal"] = all(v == 0 for k, v in out.items() if not k.endswith("xla_fused") and not k.startswith("words"))
         return out
 
     record(report, "bitwise", bitwise)
 
-    encode_bytes = groups * (Q.GROUP * 4 + 4 + 4 + Q.MAX_BITS * 4)  # values, scale, width in; planes out
-    decode_bytes = groups * (Q.MAX_BITS * 4 + 4 + 4 + 2 * Q.GROUP * 4)  # planes, scale, width, local in; values out
+    encode_bytes = groups * (W.GROUP * 4 + 4 + 4 + W.MAX_BITS * 4)  # values, scale, width in; planes out
+    decode_bytes = groups * (W.MAX_BITS * 4 + 4 + 4 + 2 * W.GROUP * 4)  # planes, scale, width, local in; values out
 
     def encode_speed(fn):
         return speed(median_seconds(fn, values, gscale, width, mseed, runs=runs), encode_bytes, peak)
@@ -208,22 +208,21 @@ def main(argv=None) -> int:
         x = jnp.where(jnp.isfinite(x), x, 0.0)  # a NaN block would poison the comparison of sums
 
         out, results = {}, {}
-        for impl in ("xla_twins", "kernels"):
+        for name, impl in (("xla_twins", W.TWINS), ("kernels", K.pallas_impl("gpu", interpret=interpret))):
 
-            def trip(x, acc):  # a fresh function per implementation: the switch is read when tracing
-                packed = Q.quantize_dynamiq(x, BITS, mseed)
-                return packed, Q.dequantize_dynamiq(packed, BITS, mseed, acc)
+            def trip(x, acc):
+                packed = Q.quantize_dynamiq(x, BITS, mseed, impl=impl)
+                return packed, Q.dequantize_dynamiq(packed, BITS, mseed, acc, impl=impl)
 
             def quantize_only(x):
-                return Q.quantize_dynamiq(x, BITS, mseed)
+                return Q.quantize_dynamiq(x, BITS, mseed, impl=impl)
 
-            with K.use_kernels("gpu", interpret=interpret) if impl == "kernels" else contextlib.nullcontext():
-                trip_j, quant_j = jax.jit(trip), jax.jit(quantize_only)
-                results[impl] = jax.block_until_ready(trip_j(x, acc))
-                out[impl] = {
-                    "round_trip_ms": median_seconds(trip_j, x, acc, runs=runs) * 1e3,
-                    "quantize_ms": median_seconds(quant_j, x, runs=runs) * 1e3,
-                }
+            trip_j, quant_j = jax.jit(trip), jax.jit(quantize_only)
+            results[name] = jax.block_until_ready(trip_j(x, acc))
+            out[name] = {
+                "round_trip_ms": median_seconds(trip_j, x, acc, runs=runs) * 1e3,
+                "quantize_ms": median_seconds(quant_j, x, runs=runs) * 1e3,
+            }
         (p_twin, y_twin), (p_kern, y_kern) = results["xla_twins"], results["kernels"]
         out["bits"] = BITS
         out["packed_words_differing"] = differing(p_kern.words, p_twin.words)

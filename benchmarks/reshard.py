@@ -21,10 +21,10 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from jaxpar.analysis import hlo  # noqa: E402
 from jaxpar.collectives.reshard import compile_reshard  # noqa: E402
 
 # (name, spec on A's axes (x, y), spec on B's axes (u, v))
@@ -62,7 +62,7 @@ def main(size: int, runs: int) -> None:
             start = time.perf_counter()
             program = compile_reshard(x.shape, x.dtype, src, dst, broadcast=broadcast)
             compile_s = time.perf_counter() - start
-            links = program.measured_link_bytes()
+            links = hlo.link_bytes(program.compiled.as_text(), program.mesh)
             assert links == program.plan.link_bytes()
             cross = sum(b for (s, r), b in links.items() if s in in_a and r not in in_a)
             y = program(x)

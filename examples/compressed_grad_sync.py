@@ -16,6 +16,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+from jaxpar.report import step_report  # noqa: E402
 from jaxpar.topology import load_topology  # noqa: E402
 from jaxpar.train.loop import RunConfig, run_training  # noqa: E402
 from jaxpar.train.step import TrainConfig  # noqa: E402
@@ -38,7 +39,7 @@ def main():
     for sync in dict.fromkeys(["exact", "dynamiq", *args.syncs]):
         train = TrainConfig(grad_sync=sync, warmup_steps=args.warmup_steps)
         run = RunConfig(model="tiny", strategy=args.strategy, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, train=train)
-        report = run_training(run, load_topology("cpu-8"), progress=None)
+        report = run_training(run, load_topology("cpu-8"), progress=None, analyze=step_report)
         comm = report["communication"]
         sent = sum(comm[kind]["measured_bytes"] for kind in REDUCTIONS if kind in comm)
         losses = report["losses"]

@@ -18,10 +18,10 @@ import jax
 from jaxpar.analysis import hlo, memory, roofline, traffic
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import dcn_misplaced, parse_spec, split_ici_dcn
-from jaxpar.models import llama
+from jaxpar.models import llama, model_config
 from jaxpar.parallel import Strategy, build_layout, parse_strategy
 from jaxpar.topology import Topology
-from jaxpar.train.loop import check_at_least, check_fits_fully_sharded, check_model_axes, model_config, state_bytes_per_chip
+from jaxpar.train.loop import check_at_least, check_fits_fully_sharded, check_model_axes, state_bytes_per_chip
 from jaxpar.train.step import TrainConfig, Trainer
 
 

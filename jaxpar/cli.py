@@ -54,6 +54,8 @@ def _train_parser(sub):
     p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 keeps float32 master weights")
     p.add_argument("--grad-reduce-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype gradients are summed across devices in")
     p.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="what the backward pass recomputes")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="drop the update of a step whose loss or gradient is NaN or inf and go on (default: stop there, exit 1)")
     g = p.add_argument_group("gradient sync (how gradients are summed across the batch axes)")
     g.add_argument(
         "--grad-sync", default="exact", metavar="{exact,dynamiq,int8}",
@@ -129,7 +131,7 @@ def _bench(args) -> int:
     topology = load_topology(args.topology)
     if topology.platform == "cpu":
         _simulate_cpu_devices(topology.num_chips)
-    from jaxpar.train.bench import STRATEGIES, bench, format_table, parse_strategies
+    from jaxpar.bench import STRATEGIES, bench, format_table, parse_strategies
     from jaxpar.train.loop import RunConfig, check_writable, write_json_atomically
 
     strategies = parse_strategies(args.strategies) if args.strategies else STRATEGIES
@@ -201,9 +203,10 @@ def _train(args) -> int:
     if topology.platform == "cpu":
         _simulate_cpu_devices(launch.local_share(topology.num_chips, dist))
     from jaxpar.errors import JaxparError
+    from jaxpar.report import format_summary, step_report
     from jaxpar.train.checkpoint import CheckpointConfig
     from jaxpar.train.loop import (
-        RunConfig, check_run, check_writable, format_summary, interruption_message, run_training, write_json_atomically,
+        RunConfig, check_run, check_writable, interruption_message, run_training, write_json_atomically,
     )
     from jaxpar.train.step import TrainConfig
 
@@ -223,7 +226,7 @@ def _train(args) -> int:
         train=TrainConfig(
             learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, microbatches=args.microbatches, **pipeline_flags,
             compute_dtype=args.compute_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
-            grad_sync=args.grad_sync, grad_sync_bits=args.grad_sync_bits,
+            nonfinite="skip" if args.skip_nonfinite else "stop", grad_sync=args.grad_sync, grad_sync_bits=args.grad_sync_bits,
             grad_sync_axes=None if args.grad_sync_axes is None else tuple(filter(None, (a.strip() for a in args.grad_sync_axes.split(",")))),
         ),
     )
@@ -231,7 +234,7 @@ def _train(args) -> int:
     if args.metrics_json:
         check_writable(args.metrics_json, "--metrics-json")
     launch.initialize(dist, topology.platform)
-    report = run_training(run, topology, checkpoint=checkpoint, resume=resume)
+    report = run_training(run, topology, checkpoint=checkpoint, resume=resume, analyze=step_report)
     import jax
 
     if jax.process_index() == 0:  # process 0 speaks for the job

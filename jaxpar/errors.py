@@ -25,3 +25,13 @@ class LayoutError(JaxparError):
 class JobFailed(JaxparError):
     """Not bad input: the job ran and failed (a process died or hung, an output could not be
     written). The command line exits with status 1 for it, and 2 for every other JaxparError."""
+
+
+class NonFiniteStep(JobFailed):
+    """A training step whose loss or gradient norm is NaN or infinite. The step's update was not
+    applied: ``state`` is the state before it (with its step counter advanced), ``metrics`` the
+    step's loss and gradient norm."""
+
+    def __init__(self, message: str, step: int, state=None, metrics=None):
+        super().__init__(message)
+        self.step, self.state, self.metrics = step, state, metrics

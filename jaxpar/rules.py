@@ -140,6 +140,26 @@ class _Active:
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("jaxpar_layout", default=None)
+# names of the model-facing calls a model made while ``record_model_calls`` is on (how the trainer
+# tells a model written for jaxpar's manual step from one written for plain Flax)
+_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxpar_model_calls", default=None)
+
+
+@contextlib.contextmanager
+def record_model_calls():
+    """Collect, into the list this yields, the name of every model-facing call made inside."""
+    calls: list[str] = []
+    token = _CALLS.set(calls)
+    try:
+        yield calls
+    finally:
+        _CALLS.reset(token)
+
+
+def _called(name: str):
+    calls = _CALLS.get()
+    if calls is not None:
+        calls.append(name)
 
 
 @contextlib.contextmanager
@@ -169,6 +189,7 @@ def _check_rank(x, names):
 def constrain(x, names: Names):
     """Declare the compute layout of activation ``x`` by logical names."""
     _check_rank(x, names)
+    _called("constrain")
     active = _ACTIVE.get()
     if active is None or active.manual:
         return x  # on one device nothing to do; in manual mode x is already the local shard
@@ -177,12 +198,17 @@ def constrain(x, names: Names):
 
 def regather(x, src: Names, dst: Names):
     """Move ``x`` from layout ``src`` to ``dst`` where ``dst`` shards less (e.g. the sequence-parallel
-    residual stream entering an attention or MLP block): all-gathers the dims that lose mesh axes."""
+    residual stream entering an attention or MLP block): all-gathers the dims that lose mesh axes.
+
+    In jaxpar's step, refuses an ``x`` that differs across a model-parallel mesh axis none of its
+    ``src`` dims is split over: it holds a partial sum that was never finished (see ``_unfinished``)."""
     _check_rank(x, dst)
+    _called("regather")
     active = _ACTIVE.get()
     if active is None or not active.manual:
         return constrain(x, dst)
     layout = active.layout
+    _refuse_unfinished_sum(x, src, layout, "regather")
     for dim, (s, d) in enumerate(zip(src, dst)):
         lost = tuple(a for a in layout.axes_of(s) if a not in layout.axes_of(d))
         if lost:
@@ -191,6 +217,50 @@ def regather(x, src: Names, dst: Names):
     # backward pass sum x's gradient in one all-reduce (Megatron's f), not one per use of x.
     split = tuple(a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1 and a not in varying_axes(x))
     return jax.lax.pcast(x, split, to="varying") if split else x
+
+
+def _refuse_unfinished_sum(x, names: Names, layout: Layout, where: str):
+    """Raise if ``x`` (laid out as ``names``) varies over a model-parallel mesh axis (one some
+    logical axis other than the batch maps to) that none of its dims is split over.
+
+    Inside the manual step such a value can only be a sum over a logical axis sharded on that mesh
+    axis that nobody finished (a row-parallel matmul output without ``reduce_partial``): its shards
+    are partial sums, and a later sum over the same axis (a vocab-parallel loss) would hide it."""
+    model_axes = {a for name in layout.compute if name != "batch" for a in layout.axes_of(name)}
+    split = {a for name in names for a in layout.axes_of(name)}
+    unfinished = sorted((varying_axes(x) & model_axes) - split)
+    if unfinished:
+        origin = _origin(x, unfinished[0])
+        raise LayoutError(
+            f"the tensor entering {where} with logical names {tuple(names)} (shape {tuple(x.shape)}) differs across "
+            f"mesh axis {'/'.join(unfinished)}, over which none of its dims is split: it holds unfinished partial sums"
+            f"{f', made by {origin}' if origin else ''}. A sum over a logical axis sharded on {unfinished[0]!r} "
+            f"(a row-parallel matmul) was used without finishing it; wrap that sum in "
+            f"jaxpar.rules.reduce_partial(x, contracted_names, output_names)"
+        )
+
+
+def _origin(x, axis: str) -> str | None:
+    """Best effort: the op (primitive and source line) that first made ``x`` vary over ``axis``,
+    walking back through the ops that produced it. Reads JAX's tracing internals, so it gives up
+    quietly (None) when they differ."""
+    try:
+        from jax._src import source_info_util
+
+        node = x
+        for _ in range(64):
+            eqn = getattr(node, "parent", None)
+            if eqn is None:
+                return None
+            if eqn.primitive.name in ("dot_general", "reduce_sum"):
+                return f"{eqn.primitive.name} at {source_info_util.summarize(eqn.source_info)}"
+            inputs = [t for t in eqn.in_tracers if hasattr(t, "aval") and axis in varying_axes(t)]
+            if not inputs or eqn.primitive.name == "pcast":
+                return None
+            node = inputs[-1]
+    except Exception:  # noqa: BLE001 - a hint in an error message must never raise itself
+        return None
+    return None
 
 
 def varying_axes(x) -> set[str]:
@@ -207,6 +277,7 @@ def reduce_partial(x, contracted: Sequence[str], dst: Names):
     Reduce-scatters along a ``dst`` dim that the summed mesh axes shard (Megatron sequence
     parallelism), all-reduces otherwise (Megatron tensor parallelism)."""
     _check_rank(x, dst)
+    _called("reduce_partial")
     active = _ACTIVE.get()
     if active is None or not active.manual:
         return constrain(x, dst)
@@ -222,6 +293,7 @@ def reduce_partial(x, contracted: Sequence[str], dst: Names):
 
 def vocab_shard_offset(names: Names, dim: int, local_size: int):
     """Index of the first entry of this device's shard along logical dim ``names[dim]`` (0 on one device)."""
+    _called("vocab_shard_offset")
     active = _ACTIVE.get()
     if active is None or not active.manual:
         return 0
@@ -233,6 +305,7 @@ def vocab_shard_offset(names: Names, dim: int, local_size: int):
 
 def sum_over(x, names: Names, dims: Sequence[int], op: str = "sum"):
     """Reduce ``x`` (``op`` = sum or max) over ``dims``, across devices too where those dims are sharded."""
+    _called("sum_over")
     local = jnp.sum(x, axis=tuple(dims)) if op == "sum" else jnp.max(x, axis=tuple(dims))
     active = _ACTIVE.get()
     if active is None or not active.manual:
@@ -336,6 +409,7 @@ def gathered(var):
     """One nnx weight as an array in its compute layout and dtype (gathered from its stored shards
     inside jaxpar's step; the unchanged value elsewhere). Stacked layer weights must be sliced
     first: their ``layers`` name is dropped once the dim is gone."""
+    _called("gathered")
     value = var.get_value()
     active = _ACTIVE.get()
     if active is None or not jnp.issubdtype(value.dtype, jnp.floating):
@@ -360,6 +434,8 @@ def gather_params(state):
     the backward pass reduces them in one bucket.
     """
     from flax import nnx
+
+    _called("gather_params")
 
     def stacked(var):
         names = logical_names(var) or ()
@@ -403,6 +479,7 @@ def layer_checkpoint(fn, remat: str = "none"):
     Only weights gathered inside the wrapped body (a scanned layer's) can be gathered again:
     outside a loop XLA merges a recomputed gather with the forward one.
     """
+    _called("layer_checkpoint")
     active = _ACTIVE.get()
     regather = active is not None and active.manual and active.layout.regather
     cp = jax.checkpoint_policies

@@ -13,11 +13,11 @@ import tempfile
 import jax
 import pytest
 
-from jaxpar import cli, launch
+from jaxpar import bench, cli, launch
 from jaxpar.errors import JobFailed, SpecError
 from jaxpar.parallel import parse_strategy
 from jaxpar.topology import meshes_dir
-from jaxpar.train import bench, loop
+from jaxpar.train import loop
 from jaxpar.train.step import Trainer
 
 BAD_INPUT = [

@@ -8,6 +8,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.analysis import hlo
 from jaxpar.collectives import compressed, quantize
+from jaxpar.kernels import wire
 
 RANKS = 8
 
@@ -82,7 +83,7 @@ def test_nan_and_inf_come_out_as_nan_never_as_finite_values(mesh):
     x = _heavy_tailed(4096).at[3, 10].set(jnp.nan).at[5, 3000].set(jnp.inf)
     out = _per_rank(x, mesh, lambda v, s: compressed.all_reduce(v, "data", seed=s, min_size=16))(x, jnp.zeros(1, jnp.int32))
     assert np.isnan(out[:, 10]).all() and np.isnan(out[:, 3000]).all()  # psum: NaN and inf; here NaN for both
-    block = quantize.BLOCK
+    block = wire.BLOCK
     assert np.isfinite(out[:, 2 * block:3000 // block * block]).all()  # untouched blocks stay finite
 
 
@@ -90,14 +91,14 @@ def test_nan_and_inf_come_out_as_nan_never_as_finite_values(mesh):
 def test_quantizer_round_trip_bounds(bits):
     x = _heavy_tailed(256, seed=2).reshape(-1) * jnp.repeat(jnp.logspace(-3, 1, 64), 32)  # scales over 4 decades
     packed = quantize.quantize_dynamiq(x, bits, None)
-    assert packed.words.shape == (bits * x.size // quantize.GROUP,)  # exactly the budget on the wire
+    assert packed.words.shape == (bits * x.size // wire.GROUP,)  # exactly the budget on the wire
     y = quantize.dequantize_dynamiq(packed, bits, None)
     # without a dither: within half a step of each value, the step being its group's
     group_scale = quantize.group_scales(packed.scales, packed.codes)
     width = quantize.allocate_bits(group_scale, packed.words.shape[0])
-    assert int(width.sum()) == bits * x.size // quantize.GROUP and (width >= quantize.MIN_BITS).all()
+    assert int(width.sum()) == bits * x.size // wire.GROUP and (width >= wire.MIN_BITS).all()
     step = group_scale / (2.0 ** (width - 1) - 1.5)
-    err = jnp.abs(y - x).reshape(-1, quantize.GROUP)
+    err = jnp.abs(y - x).reshape(-1, wire.GROUP)
     assert (err <= step[:, None] / 2 * (1 + 1e-5)).all()
 
 
@@ -105,23 +106,23 @@ def test_wide_groups_get_more_bits_and_the_greedy_optimum():
     scale = jnp.array([255, 128, 64, 32, 16, 8, 4, 2, 0, 255], jnp.float32)
     width = np.asarray(quantize.allocate_bits(scale, 50))
     assert width.sum() == 50 and np.all(np.diff(width[:9]) <= 0)  # halving the range: no more bits
-    assert width[0] == width[-1] and width[0] >= width[7] + 3 and width[8] == quantize.MIN_BITS
+    assert width[0] == width[-1] and width[0] >= width[7] + 3 and width[8] == wire.MIN_BITS
     # the same widths as adding one plane at a time where it cuts the error most
-    greedy = np.full(10, quantize.MIN_BITS)
+    greedy = np.full(10, wire.MIN_BITS)
     err = lambda w: np.asarray(scale, np.float64) ** 2 / (2.0 ** (w - 1) - 1.5) ** 2  # noqa: E731
     for _ in range(50 - greedy.sum()):
-        gain = np.where(greedy < quantize.MAX_BITS, err(greedy) - err(greedy + 1), -1)
+        gain = np.where(greedy < wire.MAX_BITS, err(greedy) - err(greedy + 1), -1)
         greedy[np.argmax(gain)] += 1
     np.testing.assert_array_equal(np.sort(width), np.sort(greedy))
 
 
 def test_dither_is_uniform_and_differs_by_seed():
-    d0 = np.asarray(quantize.dither(quantize.message_seed(0, 1, 2), 0, (1 << 16,)))
-    d1 = np.asarray(quantize.dither(quantize.message_seed(1, 1, 2), 0, (1 << 16,)))
+    d0 = np.asarray(wire.dither(wire.message_seed(0, 1, 2), 0, (1 << 16,)))
+    d1 = np.asarray(wire.dither(wire.message_seed(1, 1, 2), 0, (1 << 16,)))
     assert -0.5 <= d0.min() and d0.max() < 0.5 and abs(d0.mean()) < 0.01 and abs(d0.var() - 1 / 12) < 0.002
     assert abs(np.corrcoef(d0, d1)[0, 1]) < 0.02
-    grid = np.asarray(quantize.dither(quantize.message_seed(0, 1, 2), 64, (32, quantize.GROUP)))
-    np.testing.assert_array_equal(grid.reshape(-1), d0[64 : 64 + 32 * quantize.GROUP])  # same draw in any layout
+    grid = np.asarray(wire.dither(wire.message_seed(0, 1, 2), 64, (32, wire.GROUP)))
+    np.testing.assert_array_equal(grid.reshape(-1), d0[64 : 64 + 32 * wire.GROUP])  # same draw in any layout
 
 
 def test_wire_bytes_from_the_compiled_hlo(mesh):

@@ -164,8 +164,15 @@ class ForgetsTheSum(Regressor):
         return self.down(jax.nn.gelu(self.up(x))) * self.scale[...]  # no reduce_partial
 
 
-def test_model_that_forgets_a_tensor_parallel_sum_is_refused():
-    trainer = Trainer(build_layout(parse_strategy("fsdp=4,tensor=2", 8)), ForgetsTheSum, regression_loss, CFG)
+def test_model_without_jaxpar_calls_takes_the_gspmd_path_exactly():
+    # the same model with no reduce_partial (no jaxpar call at all): XLA's partitioner finishes the sum
+    reference = oracle(Regressor, regression_loss, regression_batches())
+    assert_same(sharded("fsdp=4,tensor=2", ForgetsTheSum, regression_loss, regression_batches()), reference)
+
+
+def test_manual_path_refuses_a_forgotten_tensor_parallel_sum():
+    cfg = dataclasses.replace(CFG, path="manual")
+    trainer = Trainer(build_layout(parse_strategy("fsdp=4,tensor=2", 8)), ForgetsTheSum, regression_loss, cfg)
     state = trainer.init(seed=0)
     with pytest.raises(LayoutError, match=r"\['tensor'\].*reduce_partial"):
         trainer.step(state, trainer.put_batch(regression_batches()[0]))

@@ -23,9 +23,10 @@ from jaxpar.collectives import hierarchical
 from jaxpar.errors import JaxparError, LayoutError
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.report import format_summary, step_report
 from jaxpar.topology import load_topology
 from jaxpar.train import data
-from jaxpar.train.loop import RunConfig, format_summary, run_training
+from jaxpar.train.loop import RunConfig, run_training
 from jaxpar.train.step import TrainConfig, Trainer
 
 BATCH, SEQ = 16, 32
@@ -277,9 +278,10 @@ def test_the_main_job_reports_the_first_non_finite_step():
     # a learning rate of 1e30 blows the weights up at the first update (step 2: warm-up starts at 0)
     cfg = TrainConfig(learning_rate=1e30, warmup_steps=1)
     run = RunConfig(model="tiny", strategy="data=8", steps=4, batch_size=8, seq_len=16, train=cfg)
-    report = run_training(run, load_topology("cpu-8"), progress=None)
+    report = run_training(run, load_topology("cpu-8"), progress=None, analyze=step_report)  # the summary prints it
     first = report["nonfinite"]
     assert first is not None and first["step"] == 3, report["losses"]
+    assert len(report["losses"]) == 3  # the job stops there (--skip-nonfinite would go on)
     assert np.isfinite(report["losses"][:2]).all() and np.isfinite(report["grad_norms"][:2]).all()
     assert not np.isfinite(first["grad_norm"])
     assert "non-finite gradient at step 3" in format_summary(report)

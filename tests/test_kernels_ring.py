@@ -10,7 +10,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.collectives import compressed, quantize
-from jaxpar.kernels import ring
+from jaxpar.kernels import ring, wire
 
 BITS = 5.125
 
@@ -57,7 +57,7 @@ def _check_clean_run(capfd, result):
 def _message(v):
     """Rank r's compressed message of its values, with the seed of chunk r at hop 7."""
     rank = jax.lax.axis_index("data")
-    return quantize.quantize_dynamiq(v, BITS, quantize.message_seed(0, 7, rank))
+    return quantize.quantize_dynamiq(v, BITS, wire.message_seed(0, 7, rank))
 
 
 def _values(ranks, n, seed=0):
@@ -87,7 +87,7 @@ def test_kernel_gathers_packed_messages_like_ppermute(ranks, mode, capfd):
     # and both are the real thing: every rank holds every owner's message in row `owner`
     for rank in range(ranks):
         _assert_bitwise_equal(jax.tree.map(lambda g: g[rank], kernel), own)
-    assert own.codes.shape[-1] == 4096 // quantize.GROUP
+    assert own.codes.shape[-1] == 4096 // wire.GROUP
     if ranks > 2:
         assert np.isnan(np.asarray(own.scales)[2]).any()
 
@@ -97,10 +97,10 @@ def test_pack_roundtrip_is_bit_exact():
     codes all come back as they went in."""
     nan_payload = np.array([0x7FC01234], np.uint32).view(np.float32)[0]
     cases = [
-        quantize.Packed(
+        wire.Packed(
             jnp.arange(7, dtype=jnp.uint32) * np.uint32(0x9E3779B9), jnp.arange(250, 255, dtype=jnp.uint8), jnp.array([1.5, nan_payload, -0.0])
         ),
-        quantize.Packed(jnp.arange(3, dtype=jnp.uint32), jnp.zeros((0,), jnp.uint8), jnp.array([2.0], jnp.float32)),
+        wire.Packed(jnp.arange(3, dtype=jnp.uint32), jnp.zeros((0,), jnp.uint8), jnp.array([2.0], jnp.float32)),
     ]
     for packed in cases:
         buffer = ring.pack(packed)
@@ -201,7 +201,7 @@ def test_wrong_dtype_size_and_transport_are_refused():
     with pytest.raises(ValueError, match=r"transport 'nccl' is not one of pallas_ring, ppermute"):
         _per_rank(_mesh(2), lambda v: ring.ring_all_gather_packed(_message(v), "data", transport="nccl"))(jnp.zeros((2, 256)))
     with pytest.raises(ValueError, match=r"Packed.codes must be 1-D uint8; got int32"):
-        ring.pack(quantize.Packed(jnp.zeros(4, jnp.uint32), jnp.zeros(8, jnp.int32), jnp.zeros(1, jnp.float32)))
+        ring.pack(wire.Packed(jnp.zeros(4, jnp.uint32), jnp.zeros(8, jnp.int32), jnp.zeros(1, jnp.float32)))
 
 
 # --- bigger messages, other meshes --------------------------------------------------------------

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from jaxpar import cli
+from jaxpar.report import step_report
 from jaxpar.topology import load_topology
 from jaxpar.train.loop import RunConfig, run_training
 
@@ -19,7 +20,7 @@ TRAIN = ["train", "--strategy", "fsdp=4,tensor=2", "--steps", "80", "--batch-siz
 
 @pytest.fixture(scope="module")
 def report():
-    return run_training(RUN, load_topology("cpu-8"), progress=None)
+    return run_training(RUN, load_topology("cpu-8"), progress=None, analyze=step_report)
 
 
 def test_loss_falls_clearly(report):

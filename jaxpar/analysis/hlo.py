@@ -5,6 +5,7 @@ Reads the text of ``jax.jit(f).lower(...).compile().as_text()``:
     cols = collectives(compiled.as_text(), mesh)
     summarize(cols)   # kind -> {"count", "bytes_per_device"}
     by_axes(cols)     # (kind, mesh_axes) -> {"count", "bytes_per_device"}
+    link_bytes(compiled.as_text(), mesh)   # (sender, receiver) Device.id -> collective-permute bytes
 
 Conventions (all checked on programs compiled by jax 0.10 for CPU and, ahead of time, TPU):
 - Device ids in replica groups and source-target pairs are *logical* ids (partition ids):
@@ -26,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -245,6 +247,11 @@ def _mesh_groups(s: str) -> np.ndarray:
     return devices.reshape(dims).transpose(kept + grouped).reshape(-1, g)
 
 
+def _source_target_pairs(attrs: str) -> np.ndarray:
+    """A collective-permute's (source, target) logical ids, one row each."""
+    return np.array(re.findall(r"\{(\d+),(\d+)\}", attrs), dtype=int).reshape(-1, 2)
+
+
 def _axes_spanned(pairs_or_groups, mesh) -> tuple[str, ...]:
     """Mesh axes along which the device coordinates differ inside any row."""
     coords = np.stack(np.unravel_index(np.asarray(pairs_or_groups), mesh.devices.shape), -1)
@@ -458,7 +465,7 @@ def collectives(hlo_text: str, mesh, dcn_axes: tuple[str, ...] = (), num_slices:
             result = done[ins.name].shape if ins.opcode.endswith("-start") and ins.name in done else ins.shape
             operand_bytes = sum(shape_bytes(table[o].shape) for o in ins.operands if o in table)
             if kind == "collective-permute":
-                pairs = np.array(re.findall(r"\{(\d+),(\d+)\}", ins.attrs), dtype=int).reshape(-1, 2)
+                pairs = _source_target_pairs(ins.attrs)
                 moving = pairs[pairs[:, 0] != pairs[:, 1]]
                 size = _largest_component(moving) if len(moving) else 1
                 axes = _axes_spanned(moving, mesh) if len(moving) else ()
@@ -474,3 +481,18 @@ def collectives(hlo_text: str, mesh, dcn_axes: tuple[str, ...] = (), num_slices:
             out.append(Collective(kind, ins.name, _dtype(result), operand_bytes, shape_bytes(result),
                                   int(size), axes, runs[comp], lowered_as))
     return out
+
+
+def link_bytes(hlo_text: str, mesh) -> dict[tuple[int, int], int]:
+    """(sender, receiver) ``Device.id`` -> bytes sent over that link per program call by the
+    program's collective-permutes (executions included); self-pairs, local copies, are left out."""
+    comps, _, _ = _parse(hlo_text)
+    attrs = {i.name: i.attrs for instrs in comps.values() for i in instrs}
+    ids = [d.id for d in mesh.devices.flat]  # the pairs hold logical ids: positions in the mesh
+    out: dict[tuple[int, int], int] = defaultdict(int)
+    for c in collectives(hlo_text, mesh):
+        if c.kind == "collective-permute":
+            for s, r in _source_target_pairs(attrs[c.name]):
+                if s != r:
+                    out[(ids[s], ids[r])] += c.operand_bytes * c.executions
+    return dict(out)

@@ -13,6 +13,10 @@ hop and the chunk, so a run is reproducible and every rank can tell which dither
 widths, see ``quantize.py``) or ``uniform`` (the naive per-hop quantizer). Sizes that do not
 divide into blocks or ranks are padded, never refused; tensors smaller than ``min_size`` values
 per rank fall back to the exact collective, where compression gains nothing.
+
+``impl`` (a ``jaxpar.kernels.wire.GroupImpl``) does each message's per-group encode and decode: the
+pure-JAX twins by default, or the Pallas kernels (``jaxpar.kernels.quantize.pallas_impl``), with
+the same bits.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.collectives.quantize import BLOCK, MAX_BITS, MIN_BITS, QUANTIZERS, Packed, check_bits, message_seed
+from jaxpar.collectives.quantize import QUANTIZERS, check_bits
+from jaxpar.kernels.wire import BLOCK, MAX_BITS, MIN_BITS, TWINS, GroupImpl, Packed, message_seed
 
 SCHEMES = ("exact", "dynamiq", "uniform")
 
@@ -63,27 +68,27 @@ class _Codec:
     """Quantize / dequantize with the hop's width and seed; ``None`` seed = nearest rounding.
     Hop ``len(widths) - 1`` is the all-gather's."""
 
-    def __init__(self, scheme: str, widths: tuple[float, ...], seed):
+    def __init__(self, scheme: str, widths: tuple[float, ...], seed, impl: GroupImpl):
         self.quantize, self.dequantize = QUANTIZERS[scheme]
-        self.widths, self.seed = widths, seed
+        self.widths, self.seed, self.impl = widths, seed, impl
         self.gather_hop = len(widths) - 1
 
     def _seed(self, hop, chunk):
         return None if self.seed is None else message_seed(self.seed, hop, chunk)
 
     def encode(self, values, hop, chunk) -> Packed:
-        return self.quantize(values, self.widths[hop], self._seed(hop, chunk))
+        return self.quantize(values, self.widths[hop], self._seed(hop, chunk), impl=self.impl)
 
     def decode(self, packed: Packed, hop, chunk, local=None):
         """The receiver names the hop and chunk it got, and so draws the sender's dither; a reduce
         hop adds its ``local`` values in the same pass."""
-        return self.dequantize(packed, self.widths[hop], self._seed(hop, chunk), local)
+        return self.dequantize(packed, self.widths[hop], self._seed(hop, chunk), local, impl=self.impl)
 
 
 DEFAULT_BITS = {"dynamiq": 5.125, "uniform": 8}  # dynamiq: 5.5 bits per value on the wire, scales included
 
 
-def _codec(scheme: str, algorithm: str, ranks: int, bits: float | None, seed) -> tuple[_Codec | None, str]:
+def _codec(scheme: str, algorithm: str, ranks: int, bits: float | None, seed, impl: GroupImpl) -> tuple[_Codec | None, str]:
     """The codec of a compressed collective (None for an exact one) and the algorithm it runs."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
@@ -99,7 +104,7 @@ def _codec(scheme: str, algorithm: str, ranks: int, bits: float | None, seed) ->
     bits = DEFAULT_BITS[scheme] if bits is None else bits
     check_bits(bits, scheme)
     widths = hop_bits(algorithm, ranks, bits) if scheme == "dynamiq" else (bits,) * ranks
-    return _Codec(scheme, widths, seed), algorithm
+    return _Codec(scheme, widths, seed, impl), algorithm
 
 
 def _chunks(x: jax.Array, ranks: int) -> tuple[jax.Array, int]:
@@ -182,7 +187,7 @@ _ALL_GATHER = {"ring": _ring_all_gather, "butterfly": _butterfly_all_gather}
 
 def all_reduce(
     x: jax.Array, axis_name: str, *, scheme: str = "dynamiq", bits: float | None = None, seed=0,
-    algorithm: str = "auto", min_size: int = 4096, all_gather_transport: str = "ppermute",
+    algorithm: str = "auto", min_size: int = 4096, all_gather_transport: str = "ppermute", impl: GroupImpl = TWINS,
 ) -> jax.Array:
     """Sum of ``x`` over ``axis_name``, compressed on the wire; bit-identical on every rank.
 
@@ -191,11 +196,12 @@ def all_reduce(
     nearest; ``algorithm``: auto (butterfly on power-of-two axes, else ring), ring or butterfly;
     ``all_gather_transport``: ``ppermute`` (XLA hops) or ``pallas_ring`` (the ring's all-gather as
     one Pallas TPU kernel with remote DMAs, ``jaxpar.kernels.ring``; algorithm ring only; on CPU
-    under ``pltpu.force_tpu_interpret_mode()``). Both give the same bits."""
+    under ``pltpu.force_tpu_interpret_mode()``). Both give the same bits. ``impl``: the per-group
+    encode / decode (see the module doc)."""
     if all_gather_transport not in ("ppermute", "pallas_ring"):
         raise ValueError(f"all_gather_transport {all_gather_transport!r} is not 'ppermute' or 'pallas_ring'")
     ranks = jax.lax.axis_size(axis_name)
-    codec, algorithm = _codec(scheme, algorithm, ranks, bits, seed)
+    codec, algorithm = _codec(scheme, algorithm, ranks, bits, seed, impl)
     if all_gather_transport == "pallas_ring" and algorithm != "ring":
         raise ValueError(f"all_gather_transport='pallas_ring' runs the ring's all-gather; algorithm is {algorithm!r}: pass algorithm='ring'")
     if codec is None or ranks == 1 or x.size < min_size * ranks:
@@ -211,12 +217,12 @@ def all_reduce(
 
 def reduce_scatter(
     x: jax.Array, axis_name: str, *, scheme: str = "dynamiq", bits: float | None = None, seed=0,
-    algorithm: str = "auto", min_size: int = 4096,
+    algorithm: str = "auto", min_size: int = 4096, impl: GroupImpl = TWINS,
 ) -> jax.Array:
     """``psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)``, compressed on the wire:
     rank r gets the sum of block r of ``x``'s leading dimension (which the ranks must divide)."""
     ranks = jax.lax.axis_size(axis_name)
-    codec, algorithm = _codec(scheme, algorithm, ranks, bits, seed)
+    codec, algorithm = _codec(scheme, algorithm, ranks, bits, seed, impl)
     if x.shape[0] % ranks:
         raise ValueError(f"leading dimension {x.shape[0]} of a reduce-scatter must divide over {ranks} ranks")
     if codec is None or ranks == 1 or x.size < min_size * ranks:
@@ -229,13 +235,13 @@ def reduce_scatter(
     return mine[:per_rank].reshape((x.shape[0] // ranks,) + x.shape[1:]).astype(x.dtype)
 
 
-def two_hop_all_reduce(x: jax.Array, axis_name: str, *, bits: int = 4, seed=0) -> jax.Array:
+def two_hop_all_reduce(x: jax.Array, axis_name: str, *, bits: int = 4, seed=0, impl: GroupImpl = TWINS) -> jax.Array:
     """The two-hop baseline (ZeRO++ qgZ style): every rank quantizes each rank's chunk of its own
     vector once (uniform, ``bits``), one all-to-all delivers them, each owner sums the ranks - 1
     decoded chunks and its own, and the owners' quantized sums are all-gathered. Each value is
     quantized twice, but every rank sends its whole vector in the first hop. For benchmarks."""
     ranks = jax.lax.axis_size(axis_name)
-    codec, _ = _codec("uniform", "ring", ranks, bits, seed)
+    codec, _ = _codec("uniform", "ring", ranks, bits, seed, impl)
     r = jax.lax.axis_index(axis_name)
     chunks, chunk = _chunks(x, ranks)
     sent = jax.vmap(lambda c, dest: codec.encode(c, 0, dest * ranks + r))(chunks, jnp.arange(ranks))

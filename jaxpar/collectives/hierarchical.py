@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.collectives import compressed
-from jaxpar.collectives.quantize import GOLDEN
+from jaxpar.kernels.wire import GOLDEN, TWINS, GroupImpl
+
 
 def fold_seed(seed, i: int):
     """A seed for the i-th of several compressed collectives sharing ``seed`` (int or traced)."""
@@ -38,9 +39,10 @@ def _size(axes: Sequence[str]) -> int:
 
 def all_reduce(
     x: jax.Array, fast_axes: Sequence[str], slow_axes: Sequence[str], *, scheme: str = "dynamiq",
-    bits: float | None = None, seed=0, min_size: int = 4096,
+    bits: float | None = None, seed=0, min_size: int = 4096, impl: GroupImpl = TWINS,
 ) -> jax.Array:
-    """``psum(x, fast_axes + slow_axes)``, compressed across ``slow_axes`` only (float32 result)."""
+    """``psum(x, fast_axes + slow_axes)``, compressed across ``slow_axes`` only (float32 result);
+    ``impl``: the compressed collective's per-group encode / decode."""
     fast, slow = tuple(fast_axes), tuple(slow_axes)
     if not slow:
         return jax.lax.psum(x, fast) if fast else x
@@ -50,7 +52,7 @@ def all_reduce(
         flat = jnp.pad(flat, (0, -flat.size % ranks))  # psum_scatter needs a multiple of the ranks
         flat = jax.lax.psum_scatter(flat, fast, scatter_dimension=0, tiled=True)
     for i, axis in enumerate(slow):
-        flat = compressed.all_reduce(flat, axis, scheme=scheme, bits=bits, seed=fold_seed(seed, i), min_size=min_size)
+        flat = compressed.all_reduce(flat, axis, scheme=scheme, bits=bits, seed=fold_seed(seed, i), min_size=min_size, impl=impl)
     if fast:
         flat = jax.lax.all_gather(flat, fast, axis=0, tiled=True)[: x.size]
     return flat.reshape(x.shape)
@@ -58,7 +60,7 @@ def all_reduce(
 
 def reduce_scatter(
     x: jax.Array, axes: Sequence[str], slow_axes: Sequence[str], *, scheme: str = "dynamiq",
-    bits: float | None = None, seed=0, min_size: int = 4096,
+    bits: float | None = None, seed=0, min_size: int = 4096, impl: GroupImpl = TWINS,
 ) -> jax.Array:
     """``psum_scatter(x, axes, scatter_dimension=0, tiled=True)``, compressed over the axes of
     ``axes`` that are in ``slow_axes`` (float32 result). ``x.shape[0]`` must divide over ``axes``."""
@@ -73,7 +75,7 @@ def reduce_scatter(
     for n, d in enumerate(exact_first):
         y = jnp.moveaxis(y, d, 0)
         if axes[d] in slow_axes:
-            y = compressed.reduce_scatter(y, axes[d], scheme=scheme, bits=bits, seed=fold_seed(seed, n), min_size=min_size)
+            y = compressed.reduce_scatter(y, axes[d], scheme=scheme, bits=bits, seed=fold_seed(seed, n), min_size=min_size, impl=impl)
         else:
             y = jax.lax.psum_scatter(y, axes[d], scatter_dimension=0, tiled=True)
         y = jnp.moveaxis(y, 0, d)

@@ -21,35 +21,23 @@ of ``GROUP`` = 32). DynamiQ-style (``dynamiq``):
 The naive baseline (``uniform``): one float32 scale per block and the same width everywhere, with
 the same dither and packing (the per-hop quantizer compressed all-reduces are usually built from).
 
-The per-group work (``encode_groups`` / ``decode_groups``) is what the Pallas kernels in
-``jaxpar.kernels.quantize`` do; these functions are their pure-JAX twins. Scales and widths are
-cheap reductions over the group scales and stay in XLA.
+The group-level format (sizes, ``Packed``, the dither) and the per-group work live in
+``jaxpar.kernels.wire``. The whole-message functions here are given that work as ``impl`` (a
+``GroupImpl``): the pure-JAX twins (``TWINS``, the default) or the Pallas kernels
+(``jaxpar.kernels.quantize.pallas_impl``), equal to the bit. Scales and widths are cheap
+reductions over the group scales and stay in XLA.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.kernels.wire import BLOCK, GROUP, GROUPS_PER_BLOCK, MAX_BITS, MIN_BITS, TWINS, GroupImpl, Packed, levels
 from jaxpar.rules import varying_axes
-
-GROUP = 32  # values per group: one uint32 word per bit plane
-GROUPS_PER_BLOCK = 8
-BLOCK = GROUP * GROUPS_PER_BLOCK  # values per block scale (256)
-MIN_BITS, MAX_BITS = 2, 12  # per-group widths the allocation may choose
-
-
-class Packed(NamedTuple):
-    """One compressed message: ``words`` uint32 [budget] bit planes, ``codes`` uint8 [groups] group
-    scale codes (empty for the uniform quantizer), ``scales`` float32 [blocks]."""
-
-    words: jax.Array
-    codes: jax.Array
-    scales: jax.Array
 
 
 def budget_words(values: int, bits: float) -> int:
@@ -68,93 +56,6 @@ def check_bits(bits: float, scheme: str) -> None:
         raise ValueError(f"bits={bits}: the uniform quantizer needs a whole width in [{MIN_BITS}, {MAX_BITS}]")
     if not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"bits={bits} must be in [{MIN_BITS}, {MAX_BITS}] (average bits per value)")
-
-
-def _levels(width):
-    """Positive levels of a signed ``width``-bit code: codes run over [-L, L]."""
-    return 2.0 ** (width - 1) - 1.0
-
-
-def group_step(group_scale, levels):
-    """Quantization step of a group: its range spread over L - 1/2 steps, which leaves room for the
-    dither; 1 for an empty group so that nothing divides by zero. (The kernels use it too.)"""
-    return jnp.where(group_scale > 0, group_scale / (levels - 0.5), 1.0)
-
-
-# --- the shared dither: a counter hash both ends (and a kernel) can compute -----------------------
-
-GOLDEN = np.uint32(0x9E3779B9)
-
-
-def mix32(h: jax.Array) -> jax.Array:
-    """A 32-bit integer finaliser (murmur3's): every input bit changes about half the output bits."""
-    h = h ^ (h >> 16)
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def message_seed(seed, hop, chunk) -> jax.Array:
-    """uint32 seed of one message, from the run's seed, the hop and the chunk it carries (any of
-    them may be traced: a chunk id often depends on the rank)."""
-    u = lambda v: jnp.asarray(v).astype(jnp.uint32)  # noqa: E731
-    return mix32(mix32(mix32(u(seed)) ^ (u(hop) * GOLDEN)) + u(chunk))
-
-
-def dither(mseed: jax.Array, start, shape) -> jax.Array:
-    """The dither of values ``start``, ``start + 1``, ... of a message: uniform in [-1/2, 1/2).
-
-    Subtractive dithering: the sender rounds ``x / step + d``, the receiver, who draws the same
-    ``d``, subtracts it. The error is then uniform on [-1/2, 1/2) steps whatever x is: unbiased,
-    with half the variance of stochastic rounding."""
-    index = jnp.asarray(start).astype(jnp.uint32) + jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
-    if len(shape) > 1:  # [groups, GROUP]: value index = group * GROUP + lane
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * np.uint32(shape[-1])
-    return dither_at(mseed, index)
-
-
-def dither_at(mseed: jax.Array, index: jax.Array) -> jax.Array:
-    """The dither of the values at uint32 ``index`` (their position in the message): the one
-    definition ``dither`` and the Pallas kernels (on their own index tiles) share."""
-    h = mix32(mix32(index * GOLDEN + mseed) ^ mseed)
-    # h >> 8 < 2^24, so going through int32 is exact; Mosaic (TPU) cannot convert uint32 to float
-    return (h >> 8).astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-24) - np.float32(0.5)
-
-
-# --- per-group encode / decode: the kernels' twins ----------------------------------------------
-
-
-def encode_groups(values, group_scale, width, mseed, start=0) -> jax.Array:
-    """float32 [groups, GROUP] -> uint32 bit planes [groups, MAX_BITS] (planes >= width are zero).
-
-    ``mseed`` None: nearest rounding, no dither. ``start``: index of the first value in the
-    message, for the dither."""
-    levels = _levels(width)[:, None]
-    step = group_step(group_scale[:, None], levels)
-    d = 0.0 if mseed is None else dither(mseed, start, values.shape)
-    # |value| <= group scale = (L - 1/2) steps and |d| <= 1/2, so |q| <= L: the clip never binds
-    q = jnp.clip(jnp.round(values / step + d), -levels, levels)
-    unsigned = (q + levels).astype(jnp.uint32)  # in [0, 2L] < 2 ** width
-    shifts = jnp.arange(MAX_BITS, dtype=jnp.uint32)[:, None]
-    lanes = jnp.arange(GROUP, dtype=jnp.uint32)
-    bits = (unsigned[:, None, :] >> shifts) & 1  # [groups, MAX_BITS, GROUP]
-    return jnp.sum(bits << lanes, axis=-1, dtype=jnp.uint32)
-
-
-def decode_groups(planes, group_scale, width, mseed, start=0, local=None) -> jax.Array:
-    """uint32 [groups, MAX_BITS] -> float32 [groups, GROUP] (+ ``local``, the accumulate of a hop).
-
-    A group whose scale is NaN (its block held a NaN or an infinity) decodes as NaN."""
-    lanes = jnp.arange(GROUP, dtype=jnp.uint32)
-    shifts = jnp.arange(MAX_BITS, dtype=jnp.uint32)[:, None]
-    unsigned = jnp.sum(((planes[:, :, None] >> lanes) & 1) << shifts, axis=1, dtype=jnp.uint32)
-    levels = _levels(width)[:, None]
-    d = 0.0 if mseed is None else dither(mseed, start, unsigned.shape)
-    q = unsigned.astype(jnp.float32) - levels - d
-    scale = group_scale[:, None]
-    values = jnp.where(scale > 0, q * group_step(scale, levels), 0.0 * scale)
-    return values if local is None else values + local
 
 
 # --- scales, widths and the message layout (XLA) -------------------------------------------------
@@ -181,7 +82,7 @@ def group_scales(scales: jax.Array, codes: jax.Array) -> jax.Array:
 
 def _gain_factors() -> np.ndarray:
     """c_k: cut in a group's squared step (per unit scale^2) from widening it from k - 1 to k bits."""
-    inv2 = lambda w: 1.0 / (_levels(w) - 0.5) ** 2  # noqa: E731
+    inv2 = lambda w: 1.0 / (levels(w) - 0.5) ** 2  # noqa: E731
     return np.array([inv2(k - 1) - inv2(k) for k in range(MIN_BITS + 1, MAX_BITS + 1)], np.float32)
 
 
@@ -242,55 +143,43 @@ def expand(words: jax.Array, width: jax.Array) -> jax.Array:
     return jnp.where(used, words[jnp.where(used, starts[:, None] + plane, 0)], 0)
 
 
-# --- whole messages ------------------------------------------------------------------------------
-
-# The per-group implementation the four functions below use: the twins, or the Pallas kernels
-# that ``jaxpar.kernels.quantize.use_kernels`` swaps in. Read when a function is traced.
-_group_impl = (encode_groups, decode_groups)
+# --- whole messages: ``impl`` does the per-group work (the twins, or the kernels' GroupImpl) ------
 
 
-def set_group_impl(encode, decode):
-    """Route the whole-message quantizers' per-group work to ``encode`` / ``decode`` (the twins'
-    signatures); returns the previous pair, to restore."""
-    global _group_impl
-    previous, _group_impl = _group_impl, (encode, decode)
-    return previous
-
-
-def quantize_dynamiq(x: jax.Array, bits: float, mseed) -> Packed:
+def quantize_dynamiq(x: jax.Array, bits: float, mseed, *, impl: GroupImpl = TWINS) -> Packed:
     """float32 [blocks * BLOCK] -> Packed (see the module doc)."""
     scales, codes = block_scales(x)
     gscale = group_scales(scales, codes)
     budget = budget_words(x.size, bits)
     width = allocate_bits(gscale, budget)
-    planes = _group_impl[0](x.reshape(-1, GROUP), gscale, width, mseed)
+    planes = impl.encode(x.reshape(-1, GROUP), gscale, width, mseed)
     return Packed(compact(planes, width, budget), codes, scales)
 
 
-def dequantize_dynamiq(packed: Packed, bits: float, mseed, local=None) -> jax.Array:
+def dequantize_dynamiq(packed: Packed, bits: float, mseed, local=None, *, impl: GroupImpl = TWINS) -> jax.Array:
     """Packed -> float32 [blocks * BLOCK] (+ ``local``); ``mseed`` must be the sender's."""
     gscale = group_scales(packed.scales, packed.codes)
     width = allocate_bits(gscale, packed.words.shape[0])
     planes = expand(packed.words, width)
     local = None if local is None else local.reshape(-1, GROUP)
-    return _group_impl[1](planes, gscale, width, mseed, local=local).reshape(-1)
+    return impl.decode(planes, gscale, width, mseed, local=local).reshape(-1)
 
 
-def quantize_uniform(x: jax.Array, bits: float, mseed) -> Packed:
+def quantize_uniform(x: jax.Array, bits: float, mseed, *, impl: GroupImpl = TWINS) -> Packed:
     """The naive baseline: one scale per block, ``bits`` everywhere."""
     scales, _ = block_scales(x)
     gscale = jnp.repeat(scales, GROUPS_PER_BLOCK)
     width = jnp.full(gscale.shape, int(bits), jnp.int32)
-    planes = _group_impl[0](x.reshape(-1, GROUP), gscale, width, mseed)
+    planes = impl.encode(x.reshape(-1, GROUP), gscale, width, mseed)
     return Packed(planes[:, : int(bits)].reshape(-1), jnp.zeros((0,), jnp.uint8), scales)
 
 
-def dequantize_uniform(packed: Packed, bits: float, mseed, local=None) -> jax.Array:
+def dequantize_uniform(packed: Packed, bits: float, mseed, local=None, *, impl: GroupImpl = TWINS) -> jax.Array:
     gscale = jnp.repeat(packed.scales, GROUPS_PER_BLOCK)
     width = jnp.full(gscale.shape, int(bits), jnp.int32)
     planes = jnp.pad(packed.words.reshape(-1, int(bits)), ((0, 0), (0, MAX_BITS - int(bits))))
     local = None if local is None else local.reshape(-1, GROUP)
-    return _group_impl[1](planes, gscale, width, mseed, local=local).reshape(-1)
+    return impl.decode(planes, gscale, width, mseed, local=local).reshape(-1)
 
 
 QUANTIZERS = {"dynamiq": (quantize_dynamiq, dequantize_dynamiq), "uniform": (quantize_uniform, dequantize_uniform)}

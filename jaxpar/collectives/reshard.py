@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -52,7 +51,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
-from jaxpar.analysis import hlo
 from jaxpar.errors import JaxparError, LayoutError
 
 AXIS = "devices"  # the one axis of the execution mesh over the union of both meshes' devices
@@ -345,31 +343,17 @@ def _check_sharding(role: str, sharding, shape: tuple[int, ...]) -> None:
 # ---------------------------------------------------------------- execution
 
 
-_PERMUTE = re.compile(r"%?([\w.\-]+) = \S+ collective-permute(?:-start)?\(.*?source_target_pairs=(\{[{}\d,]*\})")
-
-
 @dataclass(frozen=True)
 class ReshardProgram:
-    """A plan, the mesh over the union of devices, and the compiled program that executes it."""
+    """A plan, the mesh over the union of devices, and the compiled program that executes it. The
+    program's collective-permutes move exactly ``plan.link_bytes()`` (read back from its HLO text
+    by the analysis: ``hlo.link_bytes(program.compiled.as_text(), program.mesh)``)."""
 
     plan: ReshardPlan
     mesh: Mesh  # 1-D, axis AXIS, devices in plan.devices order (HLO logical ids are positions in it)
     compiled: jax.stages.Compiled
     src_block: tuple[int, ...]
     dst_block: tuple[int, ...]
-
-    def measured_link_bytes(self) -> dict[tuple[int, int], int]:
-        """(sender, receiver) device ids -> bytes, read from the compiled HLO's collective-permutes
-        (compare with ``plan.link_bytes()``). Self-pairs are local copies and left out."""
-        text = self.compiled.as_text()
-        pairs = {m[1]: re.findall(r"\{(\d+),(\d+)\}", m[2]) for m in _PERMUTE.finditer(text)}
-        ids = [d.id for d in self.mesh.devices.flat]  # HLO device ids are positions in the mesh
-        out: dict[tuple[int, int], int] = defaultdict(int)
-        for c in hlo.collectives(text, self.mesh):
-            for s, r in pairs.get(c.name, ()):
-                if s != r:
-                    out[(ids[int(s)], ids[int(r)])] += c.operand_bytes * c.executions
-        return dict(out)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         by_device = {s.device.id: s.data for s in x.addressable_shards}

@@ -1,11 +1,13 @@
 """Pallas kernels for the per-group work of the compressed all-reduce's quantizer.
 
-``encode_groups_pallas`` / ``decode_groups_pallas`` compute exactly what their pure-JAX twins
-``jaxpar.collectives.quantize.encode_groups`` / ``decode_groups`` compute (same signatures, equal to
-the bit on the backends the tests cover), in one pass over the values: encode = scale, dither,
-round and bit-plane pack; decode = unpack, undither, scale and, on a reduce hop, add the local
-values (the fused dequantize-accumulate). The dither is drawn inside the kernel from ``mseed`` and
-each value's index in the message, with the twins' own hash (``quantize.dither_at``).
+``encode_groups_kernel`` / ``decode_groups_kernel`` compute exactly what their pure-JAX twins
+``jaxpar.kernels.wire.encode_groups`` / ``decode_groups`` compute (the twins' arguments plus the
+backend; equal to the bit on the backends the tests cover), in one pass over the values: encode =
+scale, dither, round and bit-plane pack; decode = unpack, undither, scale and, on a reduce hop,
+add the local values (the fused dequantize-accumulate). The dither is drawn inside the kernel from
+``mseed`` and each value's index in the message, with the twins' own hash (``wire.dither_at``).
+``pallas_impl(backend)`` hands the pair to the quantizers and compressed collectives (their
+``impl=`` argument).
 
 Two lowerings:
 
@@ -41,14 +43,13 @@ to the bit (ranks agree on what crosses the wire: the encoded planes, which matc
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpar.collectives.quantize import GROUP, MAX_BITS, dither_at, group_step, set_group_impl
+from jaxpar.kernels.wire import GROUP, MAX_BITS, GroupImpl, dither_at, group_step
 
 LANES = 128
 GROUPS_PER_ROW = LANES // GROUP  # 4 groups per 128-lane row (TPU layout)
@@ -382,7 +383,7 @@ def _check_backend(backend):
 
 
 def encode_groups_kernel(values, group_scale, width, mseed, start=0, *, backend="tpu", interpret=False):
-    """``quantize.encode_groups`` as a Pallas kernel for ``backend`` ("tpu" or "gpu"):
+    """``wire.encode_groups`` as a Pallas kernel for ``backend`` ("tpu" or "gpu"):
     float32 [groups, 32] -> uint32 bit planes [groups, MAX_BITS]."""
     _check_backend(backend)
     _check(values, GROUP, group_scale, width, "values")
@@ -394,7 +395,7 @@ def encode_groups_kernel(values, group_scale, width, mseed, start=0, *, backend=
 
 
 def decode_groups_kernel(planes, group_scale, width, mseed, start=0, local=None, *, backend="tpu", interpret=False):
-    """``quantize.decode_groups`` as a Pallas kernel for ``backend``: uint32 [groups, MAX_BITS]
+    """``wire.decode_groups`` as a Pallas kernel for ``backend``: uint32 [groups, MAX_BITS]
     -> float32 [groups, 32], plus ``local`` [groups, 32] in the same pass when given."""
     _check_backend(backend)
     _check(planes, MAX_BITS, group_scale, width, "planes")
@@ -408,41 +409,18 @@ def decode_groups_kernel(planes, group_scale, width, mseed, start=0, local=None,
     return _decode_gpu(planes, group_scale, width, mseed, start, local, interpret)
 
 
-def _default_backend() -> str:
-    return "gpu" if jax.default_backend() == "gpu" else "tpu"
-
-
-def encode_groups_pallas(values, group_scale, width, mseed, start=0):
-    """The twin's signature; the kernel of the default device's backend (interpret mode on CPU)."""
-    return encode_groups_kernel(
-        values, group_scale, width, mseed, start, backend=_default_backend(), interpret=jax.default_backend() == "cpu"
-    )
-
-
-def decode_groups_pallas(planes, group_scale, width, mseed, start=0, local=None):
-    """The twin's signature; the kernel of the default device's backend (interpret mode on CPU)."""
-    return decode_groups_kernel(
-        planes, group_scale, width, mseed, start, local, backend=_default_backend(), interpret=jax.default_backend() == "cpu"
-    )
-
-
-@contextlib.contextmanager
-def use_kernels(backend: str | None = None, interpret: bool | None = None):
-    """Within the block, the whole-message quantizers (``quantize_dynamiq`` and friends, and so the
-    compressed collectives) do their per-group work with these kernels instead of the twins.
-
-    Read when a function is traced: a jitted function traced before the block keeps the twins.
-    ``backend`` None: the default device's; ``interpret`` None: only on CPU."""
-    backend = _default_backend() if backend is None else backend
+def pallas_impl(backend: str | None = None, interpret: bool | None = None) -> GroupImpl:
+    """These kernels as the per-group work of the whole-message quantizers and the compressed
+    collectives: pass it as their ``impl=`` (``quantize_dynamiq(x, bits, mseed, impl=...)``,
+    ``compressed.all_reduce(..., impl=...)``). ``backend`` None: the default device's ("gpu" on a
+    GPU, else "tpu"); ``interpret`` None: only on CPU."""
+    backend = ("gpu" if jax.default_backend() == "gpu" else "tpu") if backend is None else backend
     _check_backend(backend)
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-    encode = functools.partial(encode_groups_kernel, backend=backend, interpret=interpret)
-    decode = functools.partial(decode_groups_kernel, backend=backend, interpret=interpret)
-    previous = set_group_impl(encode, decode)
-    try:
-        yield
-    finally:
-        set_group_impl(*previous)
+    return GroupImpl(
+        functools.partial(encode_groups_kernel, backend=backend, interpret=interpret),
+        functools.partial(decode_groups_kernel, backend=backend, interpret=interpret),
+    )
 
 
 __all__ = [
@@ -450,8 +428,6 @@ __all__ = [
     "GPU_TILE",
     "TPU_ROWS",
     "decode_groups_kernel",
-    "decode_groups_pallas",
     "encode_groups_kernel",
-    "encode_groups_pallas",
-    "use_kernels",
+    "pallas_impl",
 ]

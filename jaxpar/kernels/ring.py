@@ -1,10 +1,10 @@
 """Ring all-gather of a fixed-size per-rank message as one Pallas TPU kernel: remote DMAs and
 semaphores instead of ``ranks - 1`` XLA ``ppermute``s.
 
-The all-gather phase of ``jaxpar.collectives.compressed`` forwards each owner's compressed message
-around the ring untouched; this kernel does that forwarding itself, in the same order as
-``compressed._ring_all_gather``: rank r sends to (r + 1) % ranks, and after hop h holds the message
-of owner (r - h - 1) % ranks. Call it inside ``shard_map`` over ``axis_name``.
+The all-gather phase of the compressed all-reduce (``collectives.compressed``) forwards each
+owner's compressed message around the ring untouched; this kernel does that forwarding itself, in
+the same order as ``compressed._ring_all_gather``: rank r sends to (r + 1) % ranks, and after hop h
+holds the message of owner (r - h - 1) % ranks. Call it inside ``shard_map`` over ``axis_name``.
 
 Buffers (per rank): the message ``x`` and the output ``out`` [ranks, ...] stay in HBM; two VMEM
 receive slots take the hops in turn (hop h lands in slot h % 2). At hop h a rank, in this order:
@@ -38,7 +38,7 @@ On a machine without TPUs the kernel runs in Pallas' TPU interpreter, which simu
 devices' memories, DMAs and semaphores: pass ``interpret=pltpu.InterpretParams()`` (or trace under
 ``pltpu.force_tpu_interpret_mode()``).
 
-``ring_all_gather_packed`` gathers a ``quantize.Packed`` message (its three fields packed into one
+``ring_all_gather_packed`` gathers a ``wire.Packed`` message (its three fields packed into one
 uint32 buffer); ``ring_all_gather_ppermute`` is the pure-XLA twin, with the same output.
 """
 
@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxpar.collectives.quantize import Packed
+from jaxpar.kernels.wire import Packed
 
 LANES = 128  # the kernel sees a message as [rows, LANES] uint32: the TPU's native row width
 MAX_MESSAGE_BYTES = 4 << 20  # per slot; two slots must fit the kernel's VMEM budget below

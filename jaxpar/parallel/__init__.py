@@ -81,11 +81,17 @@ def parse_strategy(text: str, num_devices: int) -> Strategy:
     return Strategy(spec, zero, sp, regather)
 
 
-def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_rules=None) -> Layout:
+def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_rules=None, aliases=None) -> Layout:
     """Compose the strategies' rules into a Layout over ``devices`` (default: all JAX devices).
 
     ``extra_rules`` adds compute rules for logical axes of a user's own model (stored the same way).
+    ``aliases`` maps a user model's own logical names onto jaxpar's (``{"hidden": "mlp"}``): each
+    alias is laid out as its target in every mapping.
     """
+    for alias, target in (aliases or {}).items():
+        if target not in LOGICAL_AXES or alias in LOGICAL_AXES:
+            raise SpecError(f"alias {alias!r} -> {target!r}: map a name of your model's own onto one of jaxpar's "
+                            f"logical axes ({', '.join(LOGICAL_AXES)})")
     mesh = mesh_lib.make_mesh(strategy.spec, devices, num_slices)
     # Compute mapping: batch over every data-parallel axis, Megatron dims over tensor.
     compute = {name: () for name in LOGICAL_AXES}
@@ -106,6 +112,8 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
         if strategy.spec.degrees["stage"] > 1:
             rules["layers"] = ("stage",)  # pipeline: each stage stores its own consecutive layers
         stored[mapping] = rules
+    for rules in (compute, *stored.values()):
+        rules.update({alias: rules[target] for alias, target in (aliases or {}).items()})
     dcn_axes: tuple[str, ...] = ()
     if num_slices > 1:
         with warnings.catch_warnings():  # make_mesh has already warned about a misplaced axis

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jaxpar.collectives import compressed, hierarchical
 from jaxpar.collectives.quantize import check_bits
 from jaxpar.errors import JaxparError, LayoutError
+from jaxpar.kernels.wire import TWINS, GroupImpl
 
 # name -> (scheme of collectives.compressed, bits; None = the scheme's default)
 GRAD_SYNCS = {"exact": None, "dynamiq": ("dynamiq", None), "int8": ("uniform", 8)}
@@ -49,6 +50,8 @@ class GradSync:
     bits: float | None
     axes: tuple[str, ...]  # the batch mesh axes whose reductions are compressed
     min_size: int  # values per rank below which a collective stays exact
+    # the per-group encode / decode: the pure-JAX twins, or kernels.quantize.pallas_impl() (same bits)
+    impl: GroupImpl = TWINS
 
     def compresses(self, axes) -> bool:
         return any(a in self.axes for a in axes)
@@ -58,7 +61,7 @@ class GradSync:
         this sync's axes among ``axes``. ``tag`` names the reduction (see ``_tag``)."""
         return hierarchical.reduce_scatter(
             x, axes, self.axes, scheme=self.scheme, bits=self.bits, seed=hierarchical.fold_seed(seed, _tag(tag)),
-            min_size=self.min_size,
+            min_size=self.min_size, impl=self.impl,
         )
 
     def all_reduce(self, x, axes, seed, tag: tuple):
@@ -69,7 +72,7 @@ class GradSync:
         slow = tuple(a for a in axes if a in self.axes)
         return hierarchical.all_reduce(
             x, fast, slow, scheme=self.scheme, bits=self.bits, seed=hierarchical.fold_seed(seed, _tag(tag)),
-            min_size=self.min_size,
+            min_size=self.min_size, impl=self.impl,
         )
 
     def reduce_scatter_bucket(self, leaves, axes, seed, tag: tuple):

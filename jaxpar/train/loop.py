@@ -1,6 +1,8 @@
 """The main job: train a Llama under a layout on the shipped corpus, and report what it cost.
 
-``run_training`` is what ``jaxpar train`` calls; Python users can call it directly.
+``run_training`` is what ``jaxpar train`` calls; Python users can call it directly. It reads no
+compiled program itself (train/ never imports the analysis): ``jaxpar train`` passes
+``analyze=jaxpar.report.step_report`` for the memory and communication figures.
 """
 
 from __future__ import annotations
@@ -20,16 +22,15 @@ import time
 import jax
 import numpy as np
 
-from jaxpar.analysis import memory, traffic
 from jaxpar.errors import JaxparError, JobFailed
 from jaxpar.launch import report_progress
 from jaxpar.mesh import ParallelSpec
-from jaxpar.models import llama
+from jaxpar.models import llama, model_config
 from jaxpar.parallel import Strategy, build_layout, parse_strategy, pipeline
 from jaxpar.topology import Topology
 from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
-from jaxpar.train.step import TrainConfig, Trainer
+from jaxpar.train.step import TrainConfig, Trainer, nonfinite_message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,12 +180,6 @@ def check_state_fits(trainer: Trainer, topology: Topology, what: str):
         )
 
 
-def model_config(name: str, remat: str = "none") -> llama.LlamaConfig:
-    if name not in llama.CONFIGS:
-        raise JaxparError(f"unknown model {name!r}; choose one of {', '.join(llama.CONFIGS)}")
-    return dataclasses.replace(llama.CONFIGS[name], remat=remat)
-
-
 def devices_for(topology: Topology):
     """The devices to train on, checked against the topology: the first ``num_chips`` devices of
     one process, or all devices of a multi-process job (which must number exactly ``num_chips``)."""
@@ -252,8 +247,13 @@ def _data_position(run: RunConfig, next_step: int) -> dict:
 def run_training(
     run: RunConfig, topology: Topology, progress=sys.stderr,
     checkpoint: CheckpointConfig | None = None, resume: str = "never", catch_signals: bool = True,
+    analyze=None,
 ) -> dict:
-    """Train and return the report (per-step losses and times, memory, communication).
+    """Train and return the report (per-step losses and times, throughput, checkpoints).
+
+    ``analyze(trainer, compiled_step, strategy, model_cfg, (batch_size, seq_len))``, when given,
+    returns more fields for the report, read off the compiled step after training
+    (``jaxpar.report.step_report``: memory and communication, as ``jaxpar train`` reports them).
 
     With ``checkpoint``, the state is saved every ``checkpoint.every`` steps and after the last;
     ``resume`` is ``never`` (the directory must hold no checkpoint), ``auto`` (continue from the
@@ -293,6 +293,7 @@ def run_training(
     first_loss_step = start - len(losses) + 1
     save_pauses = []
     nonfinite = None  # the first step whose loss or gradient norm is NaN or infinite
+    skipped = []  # steps whose update was dropped (not finite)
     bar = _Progress(start, run.steps, progress) if (progress and lead and start < run.steps) else None
     done = start  # steps of the job completed
     catch = catch_signals and jax.process_count() == 1 and threading.current_thread() is threading.main_thread()
@@ -316,9 +317,13 @@ def run_training(
             losses.append(loss)
             grad_norms.append(grad_norm)
             done = step + 1
-            if nonfinite is None and not (np.isfinite(loss) and np.isfinite(grad_norm)):
-                nonfinite = {"step": done, "loss": loss, "grad_norm": grad_norm}
-                log(nonfinite_message(nonfinite))  # at once: the summary comes only at the end
+            if not (np.isfinite(loss) and np.isfinite(grad_norm)):  # the step left the state as it was
+                skipped.append(done)
+                if nonfinite is None:
+                    nonfinite = {"step": done, "loss": loss, "grad_norm": grad_norm}
+                    log(nonfinite_message(done, loss, grad_norm))  # at once: the summary comes only at the end
+                if trainer.cfg.nonfinite == "stop":
+                    break  # the report says where and why; the CLI exits 1
             report_progress("done", done)
             if bar:
                 bar.update(done, loss, run.batch_size * run.seq_len / times[-1])
@@ -342,9 +347,7 @@ def run_training(
         held_out_loss = _scalar(eval_fn(state.params, batch_of(held_out, 0))[0])
     steady = times[1:] or times or [float("nan")]
     tokens_per_s = run.batch_size * run.seq_len / float(np.median(steady))
-    measured = memory.measured_memory(trainer, compiled)
-    table = memory.zero_table(trainer, strategy.zero_stage)
-    comm = traffic.compare(compiled.as_text(), trainer, strategy, (run.batch_size, run.seq_len), cfg)
+    analysis = analyze(trainer, compiled, strategy, cfg, (run.batch_size, run.seq_len)) if analyze else {}
     flops = cfg.flops_per_token(run.seq_len) * run.batch_size * run.seq_len
     return {
         "model": run.model,
@@ -364,17 +367,14 @@ def run_training(
         "losses": losses,
         "grad_norms": grad_norms,
         "nonfinite": nonfinite,
+        "skipped_steps": skipped,
+        "path": {"name": trainer.path, "reason": trainer.path_reason},
         "grad_sync": _grad_sync_report(trainer),
         "step_times_s": times,
         "held_out_loss": held_out_loss,
         "tokens_per_s": tokens_per_s,
         "model_flops_per_s": flops / float(np.median(steady)),
-        "memory": {
-            "measured_bytes_per_device": measured,
-            "zero_table_bytes_per_device": table,
-            "zero_table_bytes_per_param": memory.BYTES_PER_PARAM,
-        },
-        "communication": comm,
+        **analysis,
         "checkpoints": {"directory": ckpt.directory, "steps": ckpt.steps(), "save_pause_s": save_pauses} if ckpt else None,
     }
 
@@ -414,14 +414,6 @@ def interruption_message(report: dict) -> str:
     if saved and report["last_step"] in saved["steps"]:
         return f"{where}; checkpoint {report['last_step']} saved in {saved['directory']}; resume with --resume"
     return f"{where}; no checkpoint saved (with --checkpoint-dir a run can be resumed)"
-
-
-def nonfinite_message(nonfinite: dict) -> str:
-    """The words for the first step whose loss or gradient is not finite (the same for every
-    gradient sync: a compressed one turns the blocks around a NaN or inf into NaN, an exact one
-    keeps NaN and inf per element; either way the gradient norm is not finite)."""
-    what = "gradient" if not np.isfinite(nonfinite["grad_norm"]) else "loss"
-    return f"non-finite {what} at step {nonfinite['step']} (loss {nonfinite['loss']:.4g}, gradient norm {nonfinite['grad_norm']:.4g})"
 
 
 def _grad_sync_report(trainer: Trainer) -> dict:
@@ -470,61 +462,3 @@ def write_json_atomically(path: str, payload: dict):
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)  # gone already when the rename succeeded
-
-
-def format_summary(report: dict) -> str:
-    """The human summary printed at the end of ``jaxpar train``."""
-    gib = lambda b: f"{b / 2**20:9.3f} MiB"  # noqa: E731
-    losses, first = report["losses"], report["start_step"]
-    processes = f"  processes {report['processes']}" if report["processes"] > 1 else ""
-    lines = [
-        f"model {report['model']} ({report['num_params']:,} params)  topology {report['topology']}  strategy {report['strategy']}{processes}",
-        "",
-        f"loss curve (step: loss){f', resumed after step {first}' if first else ''}",
-    ]
-    if losses:
-        finite = [x for x in losses if np.isfinite(x)] or [0.0]
-        lo, hi = min(finite), max(finite)
-        for i in sorted(set([0] + [round(i * (len(losses) - 1) / 9) for i in range(10)])):
-            bar = "#" * int(1 + 40 * (losses[i] - lo) / max(hi - lo, 1e-9)) if np.isfinite(losses[i]) else ""
-            lines.append(f"  {report['first_loss_step'] + i:5d}: {losses[i]:7.4f} {bar}")
-    else:
-        lines.append(f"  (none: the checkpoint is already at step {first} of {report['steps']})")
-    if report.get("nonfinite"):
-        lines.append(nonfinite_message(report["nonfinite"]))
-    sync = report.get("grad_sync") or {"name": "exact"}
-    if sync["name"] != "exact":
-        bits = f", {sync['bits']} bits" if sync["bits"] is not None else ""
-        lines.append(f"gradient sync {sync['name']} over {'+'.join(sync['axes'])}{bits} (the traffic optimum below is for exact sync)")
-    if report["checkpoints"]:
-        pauses = report["checkpoints"]["save_pause_s"]
-        pause = f"; training paused {1000 * float(np.median(pauses)):.0f} ms per save (median)" if pauses else ""
-        lines.append(f"checkpoints {report['checkpoints']['steps']} in {report['checkpoints']['directory']}{pause}")
-    if report["interrupted"]:
-        lines.append(interruption_message(report))
-    else:
-        lines.append(f"held-out loss {report['held_out_loss']:.4f}")
-    lines += [
-        f"throughput {report['tokens_per_s']:,.0f} tokens/s (median step; compile excluded)",
-        "",
-        "memory per device          measured      ZeRO table",
-    ]
-    measured = report["memory"]["measured_bytes_per_device"]
-    table = report["memory"]["zero_table_bytes_per_device"]
-    for kind in ("parameters", "gradient_accumulation", "optimizer"):
-        lines.append(f"  {kind:22s} {gib(measured[kind])}  {gib(table[kind])}")
-    for kind in ("temporaries", "arguments", "generated_code"):
-        lines.append(f"  {kind:22s} {gib(measured[kind])}")
-    lines += ["", "collectives per step       count   bytes/device        optimum   ratio"]
-    comm = report["communication"]
-    for kind, row in comm.items():
-        if kind in ("by_axes", "scalar all-reduce", "note"):
-            continue
-        lines.append(f"  {kind:22s} {row['count']:7d} {row['measured_bytes']:14,.0f} {row['optimal_bytes']:14,.0f} {row['ratio']:7.3f}")
-    scalars = comm["scalar all-reduce"]
-    lines.append(f"  {'scalar all-reduce':22s} {scalars['count']:7d} {scalars['measured_bytes']:14,.0f}   (loss, gradient norm)")
-    for name, row in comm["by_axes"].items():
-        lines.append(f"    {name:32s} x{row['count']:<5d} {row['bytes_per_device']:14,.0f}")
-    if "note" in comm:
-        lines.append(f"  ({comm['note']})")
-    return "\n".join(lines)

@@ -20,6 +20,7 @@ are stored whole but updated in shards (ZeRO-1/2), XLA all-gathers the updated w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -32,11 +33,11 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.errors import LayoutError
+from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel import schedules
-from jaxpar.rules import Layout, gather_params, gather_plan, logical_names, use_layout, varying_axes
-from jaxpar.train import grad_sync
+from jaxpar.rules import Layout, gather_params, gather_plan, logical_names, record_model_calls, use_layout, varying_axes
+from jaxpar.train import grad_sync, gspmd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,12 @@ class TrainConfig:
     grad_sync_min_size: int = 4096  # values per device below which a compressed reduction stays exact
     schedule: str = "1f1b"  # pipeline schedule when the mesh has stage > 1 (parallel/schedules.py)
     chunks: int = 1  # layer chunks per stage (interleaved-1f1b: virtual stages per device)
+    path: str = "auto"  # auto | manual | gspmd: who places the collectives (see Trainer.path_reason)
+    nonfinite: str = "stop"  # stop | skip: a step whose loss or gradient is NaN/inf raises, or is skipped
+
+
+PATHS = ("auto", "manual", "gspmd")
+NONFINITE = ("stop", "skip")
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -107,6 +114,15 @@ class Trainer:
 
     def __init__(self, layout: Layout, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(), optimizer=None, pipeline=None):
         self.layout, self.model_fn, self.loss_fn, self.cfg = layout, model_fn, loss_fn, cfg
+        if cfg.path not in PATHS:
+            raise JaxparError(f"path={cfg.path!r} is unknown; use {', '.join(PATHS)}")
+        if cfg.nonfinite not in NONFINITE:
+            raise JaxparError(f"nonfinite={cfg.nonfinite!r} is unknown; use stop (raise NonFiniteStep) or skip (drop the step's update)")
+        # which path places the collectives, and why; decided when the step is first traced
+        self.path = None if cfg.path == "auto" else cfg.path
+        self.path_reason = None if cfg.path == "auto" else f"path={cfg.path!r} was asked for"
+        self._explicit = False  # GSPMD path: the model needs explicit mesh axes (its own out_sharding)
+        self._path_decided = False
         self.optimizer = optimizer or make_optimizer(cfg)
         self.graphdef, self.abstract = abstract_model(model_fn)
         flat = self._flat_abstract = _paths(self.abstract)
@@ -124,6 +140,7 @@ class Trainer:
         self._buckets, self._done_paths = self._all_reduce_buckets(flat)
         self.param_specs = _nest({p: self._spec(p, "param") for p in flat})
         self.opt_specs_by_param = _nest({p: self._spec(p, "optimizer") for p in flat})
+        self.grad_specs_by_param = _nest({p: self._spec(p, "grad") for p in flat})
         abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(self.abstract))
         abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
         self.opt_specs = optax.tree_map_params(
@@ -262,6 +279,65 @@ class Trainer:
         state = jax.tree.map(lambda v: v, self.abstract)
         nnx.replace_by_pure_dict(state, pure)
         return state
+
+    def merge(self, pure):
+        """The model with the weights of pure dict ``pure``."""
+        return nnx.merge(self.graphdef, self._with_values(pure))
+
+    def choose_path(self, params, batch):
+        """Decide (once) who places the collectives, from one abstract trace of the loss.
+
+        ``manual`` when the model calls jaxpar's model-facing functions (``rules.reduce_partial``,
+        ``regather``, ``gather_params``, ``ops.cross_entropy``...): the step runs in one shard_map and
+        every collective is placed on purpose, at the analytic optimum. ``gspmd`` when it makes no
+        such call (a model written for plain Flax): XLA's partitioner places them (``gspmd.py``)."""
+        if self._path_decided or self.cfg.path == "manual":
+            return self.path
+        avals = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+        probe = lambda p, b: self.loss_fn(self.merge(p), b)  # noqa: E731
+        explicit, calls = False, []
+        with use_layout(self.layout), jax.sharding.use_abstract_mesh(self.layout.mesh.abstract_mesh):
+            try:
+                with record_model_calls() as calls:
+                    jax.eval_shape(probe, avals(params), avals(batch))
+            except ValueError as error:
+                if not gspmd.needs_explicit_axes(error):
+                    raise
+                explicit = True
+        if explicit:  # trace again with the batch axes explicit, to see every call the model makes
+            explicit_mesh = self.layout.mesh.abstract_mesh.update_axis_types(
+                {a: jax.sharding.AxisType.Explicit for a in gspmd.explicit_axes_of(self.layout)})
+            with use_layout(self.layout), jax.sharding.use_abstract_mesh(explicit_mesh), record_model_calls() as calls:
+                jax.eval_shape(probe, avals(params), avals(batch))
+        used = sorted(set(calls))
+        if self.path is None:
+            if used or self.pipeline is not None:
+                self.path = "manual"
+                self.path_reason = (f"the model calls jaxpar's {', '.join(used)}: one shard_map, every collective placed by jaxpar"
+                                    if used else "the layout pipelines the model's layers")
+            else:
+                self.path = "gspmd"
+                self.path_reason = "the model makes no jaxpar call: XLA's partitioner places the collectives (GSPMD)"
+        self._explicit = explicit and self.path == "gspmd"
+        self._path_decided = True
+        if self._explicit:
+            self.path_reason += ("; its out_sharding needs explicit mesh axes, so the batch axes are explicit inside the "
+                                 "model and every weight enters gathered over them (stacked layers are not gathered one at a time)")
+        if self.path == "gspmd":
+            self._check_gspmd()
+        return self.path
+
+    def _check_gspmd(self):
+        """Refuse what only the manual path does."""
+        manual_only = {
+            "a compressed grad_sync": self.grad_sync is not None,
+            "a pipeline (stage > 1)": self.pipeline is not None,
+            "regather=on": self.layout.regather,
+        }
+        asked = [what for what, on in manual_only.items() if on]
+        if asked:
+            raise LayoutError(f"{' and '.join(asked)} needs jaxpar's manual step, but {self.path_reason}. "
+                              f"Write the model with jaxpar's model-facing calls (jaxpar.rules, jaxpar.ops), or drop {asked[0]}")
 
     def _reduction_plan(self, path):
         """Per weight: mesh axes reduced by the gather's backward, per micro-batch, and at the end."""
@@ -421,6 +497,14 @@ class Trainer:
             return (loss, *self._clip(grads))
 
         def grads(params, batch, step=None):
+            if self.choose_path(params, batch) == "gspmd":
+                with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                    self.accumulator_bytes = gspmd.accumulator_bytes(self)
+                    return gspmd.grads_fn(self, self._explicit)(params, batch)
+            with _manual_errors():
+                return manual(params, batch, step)
+
+        def manual(params, batch, step):
             in_specs = (self.param_specs, jax.tree.map(lambda _: batch_spec, batch))
             out_specs = (replicated, replicated, self.opt_specs_by_param)
             if sync is None:
@@ -488,14 +572,19 @@ class Trainer:
         return fn
 
     def step_fn(self):
-        """The un-jitted step: (state, batch) -> (state, metrics)."""
+        """The un-jitted step: (state, batch) -> (state, metrics). A step whose loss or gradient
+        norm is not finite leaves the weights and optimizer state as they were (``metrics["finite"]``
+        says which it was); ``step`` then raises or skips by ``cfg.nonfinite``."""
         grads_of = self.grad_fn()
 
         def step(state: TrainState, batch):
             loss, grad_norm, grads = grads_of(state.params, batch, state.step)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            metrics = {"loss": loss, "grad_norm": grad_norm}
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
+            metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
             return TrainState(params, opt_state, state.step + 1), metrics
 
         return step
@@ -505,16 +594,23 @@ class Trainer:
         return jax.jit(
             self.step_fn(),
             in_shardings=(self.state_shardings, self.batch_sharding(batch_example)),
-            out_shardings=(self.state_shardings, {"loss": replicated, "grad_norm": replicated}),
+            out_shardings=(self.state_shardings, {"loss": replicated, "grad_norm": replicated, "finite": replicated}),
             donate_argnums=(0,) if self.cfg.donate else (),
         )
 
     def step(self, state: TrainState, batch):
-        """One optimizer step (compiled on first use)."""
+        """One optimizer step (compiled on first use). Raises ``NonFiniteStep`` (carrying the
+        state, unchanged by that step) when the loss or gradient norm is NaN or infinite, unless
+        ``cfg.nonfinite == "skip"``; this reads the step's result, so it waits for the step."""
         if self._step is None:
             self.check_batch(batch)
             self._step = self.jit_step(batch)
-        return self._step(state, batch)
+        number = int(state.step) + 1  # counted from 1, as the training loop reports steps
+        state, metrics = self._step(state, batch)
+        if self.cfg.nonfinite == "stop" and not bool(metrics["finite"]):
+            raise NonFiniteStep(nonfinite_message(number, float(metrics["loss"]), float(metrics["grad_norm"])),
+                                number, state, metrics)
+        return state, metrics
 
     def put_batch(self, batch):
         """Place a host batch on the devices, split over the batch axes."""
@@ -533,6 +629,29 @@ class Trainer:
         ranges = sorted({(index[0].start or 0, batch_size if index[0].stop is None else index[0].stop) for index in held})
         local = np.concatenate([rows(start, stop) for start, stop in ranges])
         return jax.make_array_from_process_local_data(sharding, local, (batch_size,) + local.shape[1:])
+
+
+def nonfinite_message(step: int, loss: float, grad_norm: float) -> str:
+    what = "gradient" if not np.isfinite(grad_norm) else "loss"
+    return (f"non-finite {what} at step {step} (loss {loss:.4g}, gradient norm {grad_norm:.4g}); the step's update "
+            f"was not applied. Lower the learning rate, check the batch, or skip such steps (TrainConfig(nonfinite='skip'), "
+            f"jaxpar train --skip-nonfinite)")
+
+
+@contextlib.contextmanager
+def _manual_errors():
+    """A model's own sharding annotations met inside the manual step's shard_map, in jaxpar's words."""
+    try:
+        yield
+    except (NotImplementedError, ValueError) as error:
+        if isinstance(error, JaxparError) or "Manual" not in str(error):
+            raise
+        raise LayoutError(
+            "the model sets a sharding of its own (out_sharding= or jax.lax.with_sharding_constraint) inside jaxpar's "
+            "manual step, where every mesh axis is manual and such annotations cannot apply. Use "
+            "jaxpar.rules.constrain(x, logical_names) there, or write the model without jaxpar's model-facing calls so "
+            f"that the GSPMD path takes it (TrainConfig(path='gspmd')). JAX said: {str(error).splitlines()[0]}"
+        ) from error
 
 
 def _flatten(tree) -> dict:

@@ -12,6 +12,7 @@ import sys
 import time
 
 from jaxpar.errors import JaxparError
+from jaxpar.report import step_report
 from jaxpar.topology import Topology
 from jaxpar.train.loop import RunConfig, build_trainer, check_at_least, check_run, run_training
 
@@ -52,7 +53,8 @@ def bench(run: RunConfig, topology: Topology, strategies=STRATEGIES, progress=sy
     for index, text in enumerate(strategies, 1):
         start = time.perf_counter()
         # catch_signals=False: Ctrl-C stops the whole benchmark, not just this strategy's run
-        report = run_training(dataclasses.replace(run, strategy=text), topology, progress=None, catch_signals=False)
+        report = run_training(dataclasses.replace(run, strategy=text), topology, progress=None, catch_signals=False,
+                              analyze=step_report)
         if progress:
             progress.write(f"[{index}/{len(strategies)}] {text}: {time.perf_counter() - start:.0f} s (compile, {run.steps} steps, analysis)\n")
             progress.flush()

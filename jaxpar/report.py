@@ -1,0 +1,91 @@
+"""The main job's report, the parts read off the compiled step, and the summary ``jaxpar train``
+prints.
+
+``jaxpar.train.loop.run_training`` trains and reports losses, times and checkpoints; train/ reads
+no compiled program. Given ``analyze=step_report`` it adds what the analysis measures on the
+compiled step: memory per device against the ZeRO table, and the step's collectives against the
+analytic optimum. ``jaxpar train`` and ``jaxpar bench`` report both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxpar.analysis import memory, traffic
+from jaxpar.train.loop import interruption_message
+from jaxpar.train.step import nonfinite_message
+
+
+def step_report(trainer, compiled, strategy, cfg, batch_shape: tuple[int, int]) -> dict:
+    """The report's ``memory`` and ``communication`` fields for a run's compiled step: bytes per
+    device measured and from the ZeRO table, and collectives per step against the optimum
+    (``run_training``'s ``analyze``)."""
+    return {
+        "memory": {
+            "measured_bytes_per_device": memory.measured_memory(trainer, compiled),
+            "zero_table_bytes_per_device": memory.zero_table(trainer, strategy.zero_stage),
+            "zero_table_bytes_per_param": memory.BYTES_PER_PARAM,
+        },
+        "communication": traffic.compare(compiled.as_text(), trainer, strategy, batch_shape, cfg),
+    }
+
+
+def format_summary(report: dict) -> str:
+    """The human summary printed at the end of ``jaxpar train``, of a report with ``step_report``'s
+    fields."""
+    gib = lambda b: f"{b / 2**20:9.3f} MiB"  # noqa: E731
+    losses, first = report["losses"], report["start_step"]
+    processes = f"  processes {report['processes']}" if report["processes"] > 1 else ""
+    lines = [
+        f"model {report['model']} ({report['num_params']:,} params)  topology {report['topology']}  strategy {report['strategy']}{processes}",
+        f"path {report['path']['name']}: {report['path']['reason']}",
+        "",
+        f"loss curve (step: loss){f', resumed after step {first}' if first else ''}",
+    ]
+    if losses:
+        finite = [x for x in losses if np.isfinite(x)] or [0.0]
+        lo, hi = min(finite), max(finite)
+        for i in sorted(set([0] + [round(i * (len(losses) - 1) / 9) for i in range(10)])):
+            bar = "#" * int(1 + 40 * (losses[i] - lo) / max(hi - lo, 1e-9)) if np.isfinite(losses[i]) else ""
+            lines.append(f"  {report['first_loss_step'] + i:5d}: {losses[i]:7.4f} {bar}")
+    else:
+        lines.append(f"  (none: the checkpoint is already at step {first} of {report['steps']})")
+    if report.get("nonfinite"):
+        bad = report["nonfinite"]
+        lines.append(nonfinite_message(bad["step"], bad["loss"], bad["grad_norm"]))
+    sync = report.get("grad_sync") or {"name": "exact"}
+    if sync["name"] != "exact":
+        bits = f", {sync['bits']} bits" if sync["bits"] is not None else ""
+        lines.append(f"gradient sync {sync['name']} over {'+'.join(sync['axes'])}{bits} (the traffic optimum below is for exact sync)")
+    if report["checkpoints"]:
+        pauses = report["checkpoints"]["save_pause_s"]
+        pause = f"; training paused {1000 * float(np.median(pauses)):.0f} ms per save (median)" if pauses else ""
+        lines.append(f"checkpoints {report['checkpoints']['steps']} in {report['checkpoints']['directory']}{pause}")
+    if report["interrupted"]:
+        lines.append(interruption_message(report))
+    else:
+        lines.append(f"held-out loss {report['held_out_loss']:.4f}")
+    lines += [
+        f"throughput {report['tokens_per_s']:,.0f} tokens/s (median step; compile excluded)",
+        "",
+        "memory per device          measured      ZeRO table",
+    ]
+    measured = report["memory"]["measured_bytes_per_device"]
+    table = report["memory"]["zero_table_bytes_per_device"]
+    for kind in ("parameters", "gradient_accumulation", "optimizer"):
+        lines.append(f"  {kind:22s} {gib(measured[kind])}  {gib(table[kind])}")
+    for kind in ("temporaries", "arguments", "generated_code"):
+        lines.append(f"  {kind:22s} {gib(measured[kind])}")
+    lines += ["", "collectives per step       count   bytes/device        optimum   ratio"]
+    comm = report["communication"]
+    for kind, row in comm.items():
+        if kind in ("by_axes", "scalar all-reduce", "note"):
+            continue
+        lines.append(f"  {kind:22s} {row['count']:7d} {row['measured_bytes']:14,.0f} {row['optimal_bytes']:14,.0f} {row['ratio']:7.3f}")
+    scalars = comm["scalar all-reduce"]
+    lines.append(f"  {'scalar all-reduce':22s} {scalars['count']:7d} {scalars['measured_bytes']:14,.0f}   (loss, gradient norm)")
+    for name, row in comm["by_axes"].items():
+        lines.append(f"    {name:32s} x{row['count']:<5d} {row['bytes_per_device']:14,.0f}")
+    if "note" in comm:
+        lines.append(f"  ({comm['note']})")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""The GSPMD path: a model written for plain Flax, with no jaxpar call in it, under any layout.
+
+The layout becomes shardings and XLA's partitioner places the collectives: the state is stored by
+the parameter and optimizer mappings, the batch is split over the batch axes, the model's own
+constraints stay, and stacked layer weights reach the layer loop in their stored shards, so XLA
+gathers them one layer at a time. The gradient is laid out like the optimizer state (ZeRO's
+reduce-scatter) and clipped by its global norm, as on the manual path.
+
+A model that sets ``out_sharding=`` on an activation needs explicit mesh axes (JAX's sharding in
+types): it then runs inside ``jax.sharding.explicit_axes`` over the batch axes, and its weights enter
+gathered over those axes, since an explicit type cannot keep a weight split over the axis that also
+splits the batch (every weight, stacked layers too, is gathered whole at the start of the step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+AUTO_AXIS_ERROR = "of type Auto"  # JAX's words when out_sharding names an axis that is not explicit
+
+
+def needs_explicit_axes(error: Exception) -> bool:
+    """Whether tracing a model failed because it sets ``out_sharding=`` on an Auto mesh."""
+    return isinstance(error, ValueError) and AUTO_AXIS_ERROR in str(error)
+
+
+def explicit_axes_of(layout) -> tuple[str, ...]:
+    """Mesh axes made explicit for a model's own ``out_sharding``: every axis the batch rule names
+    (of degree 1 too, so that one model's ``P(("data", "fsdp"))`` is valid under every layout)."""
+    return tuple(layout.compute.get("batch", ()))
+
+
+def microbatches(batch, k: int, shards: int):
+    """(k, rows / k, ...) micro-batches holding the same rows as the manual path's: micro-batch j
+    is the j-th slice of every device's rows, so splitting moves nothing between devices."""
+
+    def split(x):
+        rows = x.shape[0]
+        x = x.reshape(shards, k, rows // (shards * k), *x.shape[1:])
+        return jnp.swapaxes(x, 0, 1).reshape(k, rows // k, *x.shape[3:])
+
+    return jax.tree.map(split, batch)
+
+
+def grads_fn(trainer, explicit: bool):
+    """(params, batch) -> (mean loss, global gradient norm, clipped gradients laid out like the
+    optimizer state), for ``trainer``'s model and layout, partitioned by XLA."""
+    layout, cfg = trainer.layout, trainer.cfg
+    mesh, k = layout.mesh, cfg.microbatches
+    batch_spec = PartitionSpec(layout.batch_axes or None)
+    named = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    grad_shardings = jax.tree.map(named, trainer.grad_specs_by_param, is_leaf=is_spec)
+    opt_shardings = jax.tree.map(named, trainer.opt_specs_by_param, is_leaf=is_spec)
+    dtype = jnp.dtype(cfg.compute_dtype)
+
+    def objective(params, micro_batch):
+        cast = jax.tree.map(lambda w: w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w, params)
+        state = trainer._with_values(cast)
+        if not explicit:
+            _gather_layers_in_the_loop(state, trainer)
+        return trainer.loss_fn(nnx.merge(trainer.graphdef, state), micro_batch)
+
+    def value_and_grad(params, micro_batch):
+        fn = jax.value_and_grad(objective)
+        if explicit:  # weights gathered over the explicit axes; the batch typed as split over all of them
+            axes = explicit_axes_of(layout)  # (degree-1 axes too: the same rows, and the model's own spelling)
+            replicated = jax.tree.map(lambda _: PartitionSpec(), params)
+            fn = jax.sharding.explicit_axes(fn, axes=axes,
+                                            in_sharding=(replicated, jax.tree.map(lambda _: PartitionSpec(axes), micro_batch)))
+        return fn(params, micro_batch)
+
+    def grads(params, batch):
+        micro = microbatches(batch, k, layout.batch_shards)
+        micro = jax.lax.with_sharding_constraint(micro, jax.tree.map(lambda _: named(PartitionSpec(None, *batch_spec)), micro))
+
+        def micro_step(acc, mb):
+            loss, g = value_and_grad(params, mb)
+            g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.astype(jnp.float32), g), grad_shardings)
+            return jax.tree.map(jnp.add, acc, g), loss
+
+        zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s), params, grad_shardings)
+        acc, losses = jax.lax.scan(micro_step, zeros, micro)
+        g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x / k, acc), opt_shardings)
+        norm = optax.tree.norm(g)
+        if cfg.clip_norm:
+            g = jax.tree.map(lambda x: x * jnp.minimum(1.0, cfg.clip_norm / jnp.maximum(norm, 1e-30)), g)
+        return jnp.mean(losses), norm, g
+
+    return grads
+
+
+def _gather_layers_in_the_loop(state, trainer):
+    """Make every read of one layer's slice of a stacked weight lay it out as computed (all
+    gathered over ``fsdp``). Inside the model's layer loop that slice depends on the loop index, so
+    XLA gathers one layer at a time there; left alone, it hoists one gather of every layer's
+    weights out of the loop, which holds them all at once."""
+    layout = trainer.layout
+    for path, var in nnx.to_flat_state(state):
+        names = trainer.names[path]
+        if "layers" not in names:
+            continue
+        layer_names = tuple(n for n in names if n != "layers")
+        sharding = jax.sharding.NamedSharding(layout.mesh, layout.spec(layer_names, "compute"))
+
+        def in_compute_layout(_, value, sharding=sharding, rank=len(layer_names)):
+            return jax.lax.with_sharding_constraint(value, sharding) if value.ndim == rank else value
+
+        var.set_metadata("on_get_value", in_compute_layout)
+
+
+def accumulator_bytes(trainer) -> int:
+    """Per-device bytes of the float32 gradient buffer the micro-batch loop carries (grad mapping)."""
+    specs = jax.tree.leaves(trainer.grad_specs_by_param, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    leaves = jax.tree.leaves(trainer.abstract_state().params)
+    return sum(4 * math.prod(jax.sharding.NamedSharding(trainer.layout.mesh, s).shard_shape(x.shape)) for x, s in zip(leaves, specs))

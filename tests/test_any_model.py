@@ -1,0 +1,170 @@
+"""Any Flax NNX model trains under every layout: a transformer written here the way a plain Flax
+user writes one (nnx.Linear, nnx.Embed, nnx.RMSNorm, tied embeddings, jax.nn.dot_product_attention,
+an optax loss, out_sharding on one activation, no jaxpar import) takes jaxpar's GSPMD path and equals
+one device; its variant with layers stacked by nnx.vmap / nnx.scan gathers one layer at a time."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.analysis import hlo
+from jaxpar.errors import NonFiniteStep
+from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.train.step import TrainConfig, Trainer, TrainState
+
+# --- the user's model (nothing below imports jaxpar) -----------------------------------------
+
+init = nnx.initializers.normal(0.02)
+part = nnx.with_partitioning
+
+
+class Block(nnx.Module):
+    def __init__(self, d, heads, hidden, rngs, out_sharding=False):
+        self.heads, self.out_sharding = heads, out_sharding
+        self.norm1 = nnx.RMSNorm(d, scale_init=part(nnx.initializers.ones, ("embed",)), rngs=rngs)
+        self.q = nnx.Linear(d, d, use_bias=False, kernel_init=part(init, ("embed", "heads")), rngs=rngs)
+        self.kv = nnx.Linear(d, 2 * d, use_bias=False, kernel_init=part(init, ("embed", "heads")), rngs=rngs)
+        self.o = nnx.Linear(d, d, use_bias=False, kernel_init=part(init, ("heads", "embed")), rngs=rngs)
+        self.norm2 = nnx.RMSNorm(d, scale_init=part(nnx.initializers.ones, ("embed",)), rngs=rngs)
+        self.up = nnx.Linear(d, hidden, kernel_init=part(init, ("embed", "hidden")),
+                             bias_init=part(nnx.initializers.zeros, ("hidden",)), rngs=rngs)
+        self.down = nnx.Linear(hidden, d, use_bias=False, kernel_init=part(init, ("hidden", "embed")), rngs=rngs)
+
+    def __call__(self, x):
+        b, length, d = x.shape
+        h = self.norm1(x)
+        q = self.q(h).reshape(b, length, self.heads, d // self.heads)
+        k, v = (t.reshape(b, length, self.heads, d // self.heads) for t in jnp.split(self.kv(h), 2, axis=-1))
+        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, length, d)
+        # JAX's explicit-sharding style: the projection says how its output is laid out
+        x = x + (self.o(attended, out_sharding=P(("data", "fsdp"), None, None)) if self.out_sharding else self.o(attended))
+        return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+
+
+class UserModel(nnx.Module):
+    def __init__(self, vocab=64, d=32, heads=4, hidden=64, layers=2, stacked=False, out_sharding=True, *, rngs):
+        self.stacked, self.out_sharding = stacked, out_sharding
+        self.embed = nnx.Embed(vocab, d, embedding_init=part(init, ("vocab", "embed")), rngs=rngs)
+        if stacked:
+            @nnx.split_rngs(splits=layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make(rngs):
+                return Block(d, heads, hidden, rngs, out_sharding)
+
+            self.blocks = make(rngs)
+        else:
+            self.blocks = nnx.List([Block(d, heads, hidden, rngs, out_sharding) for _ in range(layers)])
+        self.norm = nnx.RMSNorm(d, scale_init=part(nnx.initializers.ones, ("embed",)), rngs=rngs)
+
+    def __call__(self, tokens):
+        batch_split = P(("data", "fsdp"), None, None)  # the batch over jaxpar's batch axes
+        x = self.embed(tokens, out_sharding=batch_split) if self.out_sharding else self.embed(tokens)
+        if self.stacked:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def run(x, block):
+                return block(x)
+
+            x = run(x, self.blocks)
+        else:
+            for block in self.blocks:
+                x = block(x)
+        return self.embed.attend(self.norm(x))  # tied embeddings
+
+
+def user_loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+# --- the user's rules: its own logical name mapped onto jaxpar's ------------------------------
+
+
+ALIASES = {"hidden": "mlp"}
+LAYOUTS = ["data=8", "fsdp=8", "data=2,fsdp=4", "data=2,tensor=4", "fsdp=4,tensor=2", "data=2,fsdp=2,tensor=2"]
+CFG = TrainConfig(donate=False)
+LEARNING_RATE = 0.5
+# plain SGD with momentum: the first step moves each weight by exactly -LEARNING_RATE x its
+# (clipped) gradient, so one compiled step per layout yields the gradients too
+OPTIMIZER = optax.sgd(LEARNING_RATE, momentum=0.9)
+STEPS = 3
+
+
+def train(spec, n, **model_kw):
+    """(trainer, losses, first-step gradients, parameters after STEPS steps). The initial state is
+    the one-device initialisation placed into this layout (same values on any layout)."""
+    layout = build_layout(parse_strategy(spec, n), jax.devices()[:n], aliases=ALIASES)
+    trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, **model_kw), user_loss, CFG, optimizer=OPTIMIZER)
+    start = initial_params(**model_kw)
+    shardings = trainer.state_shardings
+    state = TrainState(jax.device_put(start, shardings.params), jax.device_put(OPTIMIZER.init(start), shardings.opt_state),
+                       jax.device_put(np.int32(0), shardings.step))
+    batch = trainer.put_batch(np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, 64)))
+    losses, params = [], []
+    for _ in range(STEPS):
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        params.append(jax.tree.map(np.asarray, state.params))
+    grads = jax.tree.map(lambda before, after: (before - after) / LEARNING_RATE, start, params[0])
+    return trainer, np.array(losses), grads, params[-1]
+
+
+@functools.cache
+def reference(**model_kw):
+    return train("data=1", 1, **model_kw)
+
+
+@functools.cache
+def initial_params(**model_kw):
+    layout = build_layout(parse_strategy("data=1", 1), jax.devices()[:1], aliases=ALIASES)
+    trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, **model_kw), user_loss, CFG, optimizer=OPTIMIZER)
+    return jax.tree.map(np.asarray, trainer.init(seed=0).params)
+
+
+def assert_equal_to_one_device(got, want, start):
+    """fp32; partitioned sums add in another order: losses to 1e-5, gradients and parameters to
+    1e-5 of each array's largest entry (gradients read from the first step's change, plus the two
+    ulps by which that subtraction may round)."""
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    want_grads, want_params, starts = (dict(jax.tree_util.tree_leaves_with_path(t)) for t in (want[2], want[3], start))
+    for tree_got, tree_want, rounding in ((got[2], want_grads, 2.0**-22 / LEARNING_RATE), (got[3], want_params, 0.0)):
+        for path, a in jax.tree_util.tree_leaves_with_path(tree_got):
+            b = tree_want[path]
+            bound = 1e-5 * max(np.max(np.abs(b)), 1e-6) + rounding * np.max(np.abs(starts[path]))
+            assert np.max(np.abs(a - b)) <= bound, (jax.tree_util.keystr(path), np.max(np.abs(a - b)), bound)
+
+
+@pytest.mark.parametrize("spec", LAYOUTS)
+def test_plain_flax_model_equals_one_device(spec):
+    got = train(spec, 8)
+    assert got[0].path == "gspmd" and "out_sharding" in got[0].path_reason
+    assert_equal_to_one_device(got, reference(), initial_params())
+
+
+@pytest.mark.parametrize("spec", LAYOUTS)
+def test_stacked_plain_flax_model_equals_one_device(spec):
+    got = train(spec, 8, stacked=True, out_sharding=False)
+    assert got[0].path == "gspmd"
+    assert_equal_to_one_device(got, reference(stacked=True, out_sharding=False), initial_params(stacked=True, out_sharding=False))
+
+
+def test_stacked_layers_are_gathered_one_at_a_time():
+    trainer = train("fsdp=8", 8, stacked=True, out_sharding=False)[0]
+    text = trainer._step.lower(trainer.abstract_state(), trainer.abstract_batch(8, 16)).compile().as_text()
+    gathers = [c for c in hlo.collectives(text, trainer.layout.mesh) if c.kind == "all-gather"]
+    # each layer's weights are gathered inside the compiled layer loop: executed once per layer
+    assert any(c.executions == 2 for c in gathers), [(c.executions, c.operand_bytes) for c in gathers]
+
+
+def test_a_non_finite_step_raises_naming_it_and_keeps_the_state():
+    poisoned = lambda model, tokens: user_loss(model, tokens) * jnp.where(tokens[0, 0] >= 0, jnp.nan, 1.0)  # noqa: E731
+    layout = build_layout(parse_strategy("fsdp=8", 8), aliases=ALIASES)
+    trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, out_sharding=False), poisoned, CFG, optimizer=OPTIMIZER)
+    state = trainer.init(seed=0)
+    before = jax.tree.map(np.asarray, state.params)
+    with pytest.raises(NonFiniteStep, match="non-finite (loss|gradient) at step 1 ") as caught:
+        trainer.step(state, trainer.put_batch(np.ones((8, 17), np.int32)))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, caught.value.state.params), before)
