@@ -176,6 +176,42 @@ def _compile(args) -> int:
     return EXIT_OK
 
 
+def _check_parser(sub):
+    p = sub.add_parser("check", help="one step of a layout against the same model on one device: names every weight whose gradient differs")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--topology", default="cpu-8")
+    p.add_argument("--strategy", default="fsdp=4,tensor=2")
+    p.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences (small: one step of each)")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--tolerance", type=float, help="largest gradient difference per weight, as a fraction of its largest "
+                   "one-device gradient entry (default 1e-4 in float32, 3e-2 in bfloat16)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _check(args) -> int:
+    from jaxpar.topology import load_topology
+
+    topology = load_topology(args.topology)
+    if topology.platform == "cpu":
+        _simulate_cpu_devices(topology.num_chips)
+    import numpy as np
+
+    from jaxpar.train.loop import RunConfig, build_trainer, check_run
+    from jaxpar.train.step import TrainConfig
+
+    run = RunConfig(model=args.model, strategy=args.strategy, steps=1, batch_size=args.batch_size, seq_len=args.seq_len,
+                    seed=args.seed, train=TrainConfig(microbatches=args.microbatches, compute_dtype=args.compute_dtype))
+    check_run(run, None, "never")
+    trainer, _, model_cfg = build_trainer(run, topology)
+    tokens = np.random.default_rng(args.seed).integers(0, model_cfg.vocab_size, (args.batch_size, args.seq_len + 1), dtype=np.int32)
+    report = trainer.check(tokens, args.tolerance, args.seed)
+    print(f"{args.model} under {args.strategy} on {topology.name}: {report.format()}")
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
 def _checkpoints_parser(sub):
     p = sub.add_parser("checkpoints", help="list the checkpoints in a directory: step, model, layout and whether each verifies")
     p.add_argument("directory", metavar="DIR", help="a --checkpoint-dir a run saved into")
@@ -281,13 +317,15 @@ def main(argv=None) -> int:
     _compile_parser(sub)
     _launch_parser(sub)
     _checkpoints_parser(sub)
+    _check_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return EXIT_BAD_INPUT
     from jaxpar.errors import JaxparError, JobFailed
 
-    command = {"train": _train, "bench": _bench, "compile": _compile, "launch": _launch, "checkpoints": _checkpoints}[args.command]
+    command = {"train": _train, "bench": _bench, "compile": _compile, "launch": _launch, "checkpoints": _checkpoints,
+               "check": _check}[args.command]
     message = None
     with _sigterm_raises():
         try:

@@ -249,6 +249,8 @@ def _origin(x, axis: str) -> str | None:
 
         node = x
         for _ in range(64):
+            while hasattr(node, "primal"):  # under autodiff: the traced primal value
+                node = node.primal
             eqn = getattr(node, "parent", None)
             if eqn is None:
                 return None

@@ -37,6 +37,7 @@ from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel import schedules
 from jaxpar.rules import Layout, gather_params, gather_plan, logical_names, record_model_calls, use_layout, varying_axes
+from jaxpar.train import check as check_lib
 from jaxpar.train import grad_sync, gspmd
 
 
@@ -124,6 +125,7 @@ class Trainer:
         self._explicit = False  # GSPMD path: the model needs explicit mesh axes (its own out_sharding)
         self._path_decided = False
         self.optimizer = optimizer or make_optimizer(cfg)
+        self.pipeline_pieces = pipeline
         self.graphdef, self.abstract = abstract_model(model_fn)
         flat = self._flat_abstract = _paths(self.abstract)
         self.names = {}
@@ -611,6 +613,12 @@ class Trainer:
             raise NonFiniteStep(nonfinite_message(number, float(metrics["loss"]), float(metrics["grad_norm"])),
                                 number, state, metrics)
         return state, metrics
+
+    def check(self, batch, tolerance: float | None = None, seed: int = 0):
+        """One step of this layout against the same model on one device, weight by weight
+        (``check.check_trainer``): a ``CheckReport`` whose ``failed`` names every weight whose
+        gradient differs beyond ``tolerance``."""
+        return check_lib.check_trainer(self, batch, tolerance, seed)
 
     def put_batch(self, batch):
         """Place a host batch on the devices, split over the batch axes."""
