@@ -17,9 +17,9 @@ import jax
 
 from jaxpar.analysis import hlo, memory, roofline, traffic
 from jaxpar.errors import JaxparError
-from jaxpar.mesh import dcn_misplaced, parse_spec, split_ici_dcn
+from jaxpar.mesh import dcn_misplaced, split_ici_dcn
 from jaxpar.models import llama, model_config
-from jaxpar.parallel import Strategy, build_layout, parse_strategy
+from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.topology import Topology
 from jaxpar.train.loop import check_at_least, check_fits_fully_sharded, check_model_axes, state_bytes_per_chip
 from jaxpar.train.step import TrainConfig, Trainer
@@ -142,7 +142,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
             "hbm": topology.hbm_bytes,
             "fits": peak <= topology.hbm_bytes,
             **state_bytes_per_chip(trainer),
-            "zero_table": memory.zero_table(trainer, strategy.zero_stage),
+            "zero_table": memory.zero_table(trainer, strategy),
         },
         "collectives": by_link,
         "compiler_cost_analysis": {k: cost.get(k) for k in ("flops", "bytes accessed", "optimal_seconds")},
@@ -167,9 +167,8 @@ def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # a slow axis across slices is priced below, not warned about
-                    spec = parse_spec(text, n)
-                    _, dcn = split_ici_dcn(spec, topology.num_slices)
-                    strategy = Strategy(spec)
+                    strategy = parse_strategy(text, n)
+                    _, dcn = split_ici_dcn(strategy.spec, topology.num_slices)
                     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
                 candidate = Trainer(layout, trainer.model_fn, trainer.loss_fn, trainer.cfg)
                 candidate.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"))
@@ -177,7 +176,7 @@ def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int
                 continue
             if str(strategy) == str(current):
                 continue
-            state = sum(memory.zero_table(candidate, strategy.zero_stage).values())
+            state = sum(memory.zero_table(candidate, strategy).values())
             if state > topology.hbm_bytes:
                 continue
             sent = traffic.optimal_traffic_by_axis(candidate, strategy, (batch_size, seq_len), cfg)

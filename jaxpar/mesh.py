@@ -3,33 +3,31 @@
 A parallel spec gives the degree of each canonical mesh axis, e.g. ``"data=2,fsdp=-1,tensor=2"``;
 ``-1`` fills the rest of the devices (as in MaxText). On a multi-slice (or multi-node) topology the
 degrees are split into an ICI part (inside a slice) and a DCN part (across slices): only the axes
-in ``DCN_AXES`` may cross DCN, and the mesh gets the hybrid ICI x DCN device order.
+that their strategy lets cross DCN (``dcn_axes()``) may, and the mesh gets the hybrid ICI x DCN device order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import warnings
 
 from jaxpar.errors import SpecError
 
 
-class MeshAxis(str, enum.Enum):
-    """Canonical mesh axes, outermost (slowest links) first; ``tensor`` is innermost."""
+def axes() -> tuple[str, ...]:
+    """The mesh axes, outermost (slowest links) first: every strategy's own, in the order of
+    ``jaxpar.parallel.STRATEGIES`` (``tensor``, on the fastest links, is innermost)."""
+    from jaxpar.parallel import STRATEGIES  # each strategy declares its axes; this module only orders them
 
-    STAGE = "stage"
-    DATA = "data"
-    FSDP = "fsdp"
-    EXPERT = "expert"
-    CONTEXT = "context"
-    TENSOR = "tensor"
+    return tuple(a for module in STRATEGIES for a in module.AXES)
 
 
-AXES: tuple[str, ...] = tuple(a.value for a in MeshAxis)
-# Axes whose traffic is light enough to cross the slow links between slices or nodes.
-DCN_AXES = frozenset({"stage", "data"})
+def dcn_axes() -> frozenset[str]:
+    """Axes whose traffic is light enough to cross the slow links between slices or nodes."""
+    from jaxpar.parallel import STRATEGIES
+
+    return frozenset(a for module in STRATEGIES if module.CROSSES_DCN for a in module.AXES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +64,9 @@ def parse_spec(spec: str | dict[str, int], num_devices: int) -> ParallelSpec:
                 raise SpecError(f"spec entry {part!r}: degree {value!r} is not an integer") from None
     else:
         items = dict(spec)
-    unknown = [k for k in items if k not in AXES]
+    unknown = [k for k in items if k not in axes()]
     if unknown:
-        raise SpecError(f"unknown mesh axis {unknown[0]!r} in spec {spec!r}; the axes are {', '.join(AXES)}")
+        raise SpecError(f"unknown mesh axis {unknown[0]!r} in spec {spec!r}; the axes are {', '.join(axes())}")
     fills = [k for k, v in items.items() if v == -1]
     if len(fills) > 1:
         raise SpecError(f"spec {spec!r} has -1 on {fills}; only one axis may fill the remaining devices")
@@ -88,7 +86,20 @@ def parse_spec(spec: str | dict[str, int], num_devices: int) -> ParallelSpec:
             f"spec {spec!r} multiplies to {fixed} devices but {num_devices} are available; "
             f"change a degree or put -1 on one axis to fill the rest"
         )
-    return ParallelSpec({a: items.get(a, 1) for a in AXES})
+    return ParallelSpec({a: items.get(a, 1) for a in axes()})
+
+
+_TRUE, _FALSE = {"on", "1", "true", "yes"}, {"off", "0", "false", "no"}
+
+
+def parse_flag(key: str, value: str) -> bool:
+    """An on/off option of a strategy string (``sp=on``)."""
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise SpecError(f"option {key}={value!r}: use on or off")
 
 
 def split_ici_dcn(spec: ParallelSpec, num_slices: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -99,11 +110,11 @@ def split_ici_dcn(spec: ParallelSpec, num_slices: int) -> tuple[dict[str, int], 
     (``dcn_misplaced`` lists them; ``jaxpar compile`` prices the traffic). Raises only when no split
     exists at all.
     """
-    ici, dcn = dict(spec.degrees), {a: 1 for a in AXES}
+    ici, dcn = dict(spec.degrees), {a: 1 for a in axes()}
     remaining = num_slices
     for allowed in (True, False):
-        for axis in AXES:
-            if remaining > 1 and (axis in DCN_AXES) == allowed and ici[axis] > 1:
+        for axis in axes():
+            if remaining > 1 and (axis in dcn_axes()) == allowed and ici[axis] > 1:
                 take = math.gcd(ici[axis], remaining)
                 ici[axis] //= take
                 dcn[axis] *= take
@@ -114,7 +125,7 @@ def split_ici_dcn(spec: ParallelSpec, num_slices: int) -> tuple[dict[str, int], 
     if misplaced:
         warnings.warn(
             f"spec {spec} on {num_slices} slices puts {misplaced} across the slow links between slices "
-            f"(only {sorted(DCN_AXES)} should cross them); give 'data' a degree that is a multiple of "
+            f"(only {sorted(dcn_axes())} should cross them); give 'data' a degree that is a multiple of "
             f"{num_slices}, e.g. data={num_slices}",
             stacklevel=2,
         )
@@ -123,7 +134,7 @@ def split_ici_dcn(spec: ParallelSpec, num_slices: int) -> tuple[dict[str, int], 
 
 def dcn_misplaced(dcn: dict[str, int]) -> list[str]:
     """Axes other than stage/data that cross slices."""
-    return [a for a, d in dcn.items() if d > 1 and a not in DCN_AXES]
+    return [a for a, d in dcn.items() if d > 1 and a not in dcn_axes()]
 
 
 def make_mesh(spec: ParallelSpec, devices=None, num_slices: int = 1):
@@ -144,11 +155,11 @@ def make_mesh(spec: ParallelSpec, devices=None, num_slices: int = 1):
     elif devices[0].platform == "tpu":
         from jax.experimental import mesh_utils  # follows the physical torus so axes map onto rings
 
-        shape = tuple(spec.degrees[a] for a in AXES)
+        shape = tuple(spec.degrees[a] for a in axes())
         grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
     else:
-        grid = np.array(devices, dtype=object).reshape(tuple(spec.degrees[a] for a in AXES))
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+        grid = np.array(devices, dtype=object).reshape(tuple(spec.degrees[a] for a in axes()))
+    return Mesh(grid, axes(), axis_types=(AxisType.Auto,) * len(axes()))
 
 
 def _hybrid_grid(spec: ParallelSpec, devices, num_slices: int):
@@ -166,13 +177,13 @@ def _hybrid_grid(spec: ParallelSpec, devices, num_slices: int):
             from jax.experimental import mesh_utils  # physical torus order inside each slice
 
             return mesh_utils.create_hybrid_device_mesh(
-                [ici[a] for a in AXES], [dcn[a] for a in AXES], devices, allow_split_physical_axes=True
+                [ici[a] for a in axes()], [dcn[a] for a in axes()], devices, allow_split_physical_axes=True
             )
         devices = sorted(devices, key=lambda d: (d.slice_index, d.id))
     per_slice = len(devices) // num_slices
     slices = np.array(devices, dtype=object).reshape((num_slices, per_slice))
     # (dcn_0..dcn_5, ici_0..ici_5) -> interleave -> each axis = dcn * ici
-    full = slices.reshape(tuple(dcn[a] for a in AXES) + tuple(ici[a] for a in AXES))
-    n = len(AXES)
+    full = slices.reshape(tuple(dcn[a] for a in axes()) + tuple(ici[a] for a in axes()))
+    n = len(axes())
     full = full.transpose([i for pair in zip(range(n), range(n, 2 * n)) for i in pair])
-    return full.reshape(tuple(spec.degrees[a] for a in AXES))
+    return full.reshape(tuple(spec.degrees[a] for a in axes()))

@@ -6,13 +6,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpar.rules import Names, reduce_partial, sum_over, vocab_shard_offset
+from jaxpar.rules import Names, reduce_partial, shard_offset, sum_over
 
 
 def embed_lookup(table, tokens, out_names: Names, table_names: Names = ("vocab", "embed")):
     """Rows of ``table`` for ``tokens``; with the vocabulary sharded each device looks up the ids in
     its own range and the partial results are summed (Megatron's vocab-parallel embedding)."""
-    offset = vocab_shard_offset(table_names, 0, table.shape[0])
+    offset = shard_offset(table_names, 0, table.shape[0])
     local = tokens - offset
     inside = (local >= 0) & (local < table.shape[0])
     rows = jnp.take(table, jnp.clip(local, 0, table.shape[0] - 1), axis=0)
@@ -27,7 +27,7 @@ def cross_entropy(logits, targets, names: Names = ("batch", "length", "vocab")):
     peak = sum_over(jax.lax.stop_gradient(logits), names, [vocab_dim], op="max")  # for stability only
     shifted = logits - peak[..., None]
     log_total = jnp.log(sum_over(jnp.exp(shifted), names, [vocab_dim]))
-    offset = vocab_shard_offset(names, vocab_dim, logits.shape[vocab_dim])
+    offset = shard_offset(names, vocab_dim, logits.shape[vocab_dim])
     hit = jax.nn.one_hot(targets - offset, logits.shape[vocab_dim], dtype=logits.dtype)
     picked = sum_over(shifted * hit, names, [vocab_dim])
     return jnp.mean(log_total - picked)

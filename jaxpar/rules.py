@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -61,6 +62,19 @@ class Layout:
     grad: Rules
     regather: bool = False  # FSDP: gather weights again in the backward pass instead of keeping them
     dcn_axes: tuple[str, ...] = ()  # mesh axes that cross the slow links between slices / nodes
+    # logical axes kept whole (replicated) where a dim is shorter than its mesh axes and they are a
+    # multiple of it: GQA's key/value heads under a tensor degree above their count (as Megatron does)
+    replicable: frozenset[str] = frozenset()
+
+    def effective_names(self, names: Names, shape) -> tuple:
+        """``names`` with each replicable logical axis that its dim is too short to split replaced
+        by None (that dim is then laid out whole in every mapping)."""
+        out = []
+        for dim, name in enumerate(names):
+            ways = math.prod(self.mesh.shape[a] for a in self._live(self.compute.get(name, ()))) if name else 1
+            short = name in self.replicable and shape[dim] < ways and ways % shape[dim] == 0
+            out.append(None if short else name)
+        return tuple(out)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -85,6 +99,8 @@ class Layout:
         rules: Rules = getattr(self, mapping)
         if names is None:
             return PartitionSpec()
+        if shape is not None:
+            names = self.effective_names(names, shape)
         entries, owner = [], {}
         for dim, name in enumerate(names):
             if name is None:
@@ -193,7 +209,7 @@ def constrain(x, names: Names):
     active = _ACTIVE.get()
     if active is None or active.manual:
         return x  # on one device nothing to do; in manual mode x is already the local shard
-    return jax.lax.with_sharding_constraint(x, active.layout.sharding(names))
+    return jax.lax.with_sharding_constraint(x, active.layout.sharding(names, shape=x.shape))
 
 
 def regather(x, src: Names, dst: Names):
@@ -293,9 +309,9 @@ def reduce_partial(x, contracted: Sequence[str], dst: Names):
     return jax.lax.psum(x, tuple(pending)) if pending else x
 
 
-def vocab_shard_offset(names: Names, dim: int, local_size: int):
+def shard_offset(names: Names, dim: int, local_size: int):
     """Index of the first entry of this device's shard along logical dim ``names[dim]`` (0 on one device)."""
-    _called("vocab_shard_offset")
+    _called("shard_offset")
     active = _ACTIVE.get()
     if active is None or not active.manual:
         return 0
@@ -413,17 +429,40 @@ def gathered(var):
     first: their ``layers`` name is dropped once the dim is gone."""
     _called("gathered")
     value = var.get_value()
+    return _gather_value(value, _compute_names(var, value))
+
+
+def _gather_value(value, names):
     active = _ACTIVE.get()
     if active is None or not jnp.issubdtype(value.dtype, jnp.floating):
         return value
-    if not active.manual:
-        return value.astype(active.compute_dtype)
-    names = _compute_names(var, value)
+    if not active.manual:  # XLA gathers: say where the value must be laid out as computed
+        return jax.lax.with_sharding_constraint(value.astype(active.compute_dtype), active.layout.sharding(names, shape=value.shape))
     if active.grad_sync is not None:
         plan = gather_plan(names, active.layout)
         if any(active.grad_sync.compresses(axes) for _, axes in plan):
             return _compressed_gather([value], [names], [plan], active)[0]
     return _gather_weight(value, names, active.layout, active.compute_dtype, active.grad_reduce_dtype)
+
+
+def gather_layers_when_read(state):
+    """The framework's per-layer gathers: every read of one layer's slice of a stacked weight
+    (logical axis ``layers``) in ``state`` returns it gathered into its compute layout, so a
+    model's own layer loop (``jax.lax.scan``, ``nnx.scan``) gathers one layer at a time, with no
+    call of the model's. (Under a compressed sync each weight's reduction is then its own bucket.)"""
+    from flax import nnx
+
+    for _, var in nnx.to_flat_state(state):
+        names = logical_names(var) or ()
+        if "layers" in names and len(names) == var.get_value().ndim:
+            # the names are taken now: inside nnx.scan the slice's own metadata has lost "layers"
+            var.set_metadata("on_get_value", functools.partial(_read_layer, names=names))
+
+
+def _read_layer(var, value, names):
+    if value.ndim == len(names):  # the whole stack, read as it is stored
+        return value
+    return _gather_value(value, tuple(n for n in names if n != "layers"))
 
 
 def gather_params(state):

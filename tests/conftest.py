@@ -11,8 +11,11 @@ import os
 import shutil
 import tempfile
 
+# LLVM optimisation level 1: the suite's programs are small and compiled once each, so compiling
+# dominates; measured here, level 1 cuts a compile-heavy file by 25% and a dispatch-heavy one by
+# 12% (level 0, tried before, made the long-running programs slower than it saved)
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -20,6 +20,9 @@ from jaxpar.train.step import TrainConfig, Trainer, TrainState
 # --- the user's model (nothing below imports jaxpar) -----------------------------------------
 
 init = nnx.initializers.normal(0.02)
+# an activation with its batch dim split over every axis jaxpar splits batches over (documented;
+# degree-1 axes included, so the model is the same under every layout)
+BATCH_SPLIT = P(("data", "fsdp"), None, None)
 part = nnx.with_partitioning
 
 
@@ -42,7 +45,7 @@ class Block(nnx.Module):
         k, v = (t.reshape(b, length, self.heads, d // self.heads) for t in jnp.split(self.kv(h), 2, axis=-1))
         attended = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, length, d)
         # JAX's explicit-sharding style: the projection says how its output is laid out
-        x = x + (self.o(attended, out_sharding=P(("data", "fsdp"), None, None)) if self.out_sharding else self.o(attended))
+        x = x + (self.o(attended, out_sharding=BATCH_SPLIT) if self.out_sharding else self.o(attended))
         return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
 
 
@@ -62,8 +65,7 @@ class UserModel(nnx.Module):
         self.norm = nnx.RMSNorm(d, scale_init=part(nnx.initializers.ones, ("embed",)), rngs=rngs)
 
     def __call__(self, tokens):
-        batch_split = P(("data", "fsdp"), None, None)  # the batch over jaxpar's batch axes
-        x = self.embed(tokens, out_sharding=batch_split) if self.out_sharding else self.embed(tokens)
+        x = self.embed(tokens, out_sharding=BATCH_SPLIT) if self.out_sharding else self.embed(tokens)
         if self.stacked:
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def run(x, block):

@@ -41,7 +41,6 @@ BAD_INPUT = [
     ("train --strategy fsdp=2,fsdp=8", "axis 'fsdp' is given twice"),
     ("train --strategy fsdp=8,zero=1,zero=3", "option 'zero' is given twice"),
     ("train --strategy data=3", "multiplies to 3"),
-    ("train --strategy tensor=8", "kv_heads"),
     ("train --strategy context=2,fsdp=4", "the context axis is not supported by model tiny yet"),
     ("train --strategy expert=2,fsdp=4", "the expert axis is not supported by model tiny yet"),
     ("train --grad-sync-bits 4", "--grad-sync-bits 4.0 does nothing"),

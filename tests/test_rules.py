@@ -1,4 +1,5 @@
 """Rules and layouts: the mappings each strategy gives, and the errors for bad input."""
+import dataclasses
 import jax
 import pytest
 from flax import nnx
@@ -70,9 +71,10 @@ def _no_new_arrays(fn):
 
 
 def test_indivisible_dim_names_weight_dim_and_axes():
-    # tensor=8 cannot split the tiny model's 4 key/value heads
-    msg = _no_new_arrays(lambda: Trainer(layout("tensor=8"), lambda r: llama.Llama(TINY, rngs=r), llama.loss_fn))
-    assert "layers/wk" in msg and "'kv_heads'" in msg and "size 4" in msg and "('tensor',)" in msg
+    # tensor=8 cannot split an MLP 100 wide (4 key/value heads it keeps whole instead: GQA)
+    narrow = dataclasses.replace(TINY, mlp=100)
+    msg = _no_new_arrays(lambda: Trainer(layout("tensor=8"), lambda r: llama.Llama(narrow, rngs=r), llama.loss_fn))
+    assert "layers/w_down" in msg and "'mlp'" in msg and "size 100" in msg and "('tensor',)" in msg
 
 
 def test_two_rules_on_one_mesh_axis_is_an_error():

@@ -9,8 +9,9 @@ Measured:
 
 The ZeRO table (Psi weights, per device, after tensor parallelism divides what it shards): weights
 4 bytes (float32 master copy; bf16 copies for compute are transient), gradient accumulation 4
-bytes, Adam moments 8 bytes, each divided by the ``fsdp`` degree from the stage that shards it
-(ZeRO-1: optimizer, ZeRO-2: + gradients, ZeRO-3: + weights).
+bytes, Adam moments 8 bytes, each divided by the ways the strategies split it (``fsdp`` from the
+ZeRO stage that shards it: ZeRO-1 optimizer, ZeRO-2 + gradients, ZeRO-3 + weights; hierarchical
+ZeRO's groups divide the gradients and optimizer state again).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import math
 
 import jax
 
+from jaxpar.parallel import STRATEGIES
+
 BYTES_PER_PARAM = {"parameters": 4, "gradient_accumulation": 4, "optimizer": 8}
-_STAGE_THAT_SHARDS = {"optimizer": 1, "gradient_accumulation": 2, "parameters": 3}
 
 
 def tensor_local_params(trainer, only_layers: bool = False) -> float:
@@ -32,21 +34,37 @@ def tensor_local_params(trainer, only_layers: bool = False) -> float:
         if only_layers and "layers" not in names:
             continue
         numel = math.prod(trainer.abstract_leaf(path).shape)
-        ways = math.prod(layout.mesh.shape[a] for n in names for a in layout.axes_of(n, "compute") if a != "fsdp")
+        ways = math.prod(layout.mesh.shape[a] for n in names for a in layout.axes_of(n, "compute") if a not in layout.batch_axes)
         if "layers" in names:
             ways *= math.prod(layout.mesh.shape[a] for a in layout.axes_of("layers", "param"))
         total += numel / ways
     return total
 
 
-def zero_table(trainer, zero_stage: int) -> dict[str, float]:
-    """Bytes per device the ZeRO table predicts for this layout."""
+def replicated_params(trainer) -> float:
+    """Weights (per device, after the pipeline) kept whole over mesh axes their logical names would
+    split, because the dim is too short (``Layout.replicable``: GQA key/value heads under TP)."""
+    layout, total = trainer.layout, 0.0
+    for path, names in trainer.names.items():
+        written = trainer.written_names[path]
+        if names == written:
+            continue
+        numel = math.prod(trainer.abstract_leaf(path).shape)
+        if "layers" in names:
+            numel /= math.prod(layout.mesh.shape[a] for a in layout.axes_of("layers", "param"))
+        total += numel / math.prod(layout.mesh.shape[a] for n in names for a in layout.axes_of(n, "compute") if a not in layout.batch_axes)
+    return total
+
+
+def zero_table(trainer, strategy) -> dict[str, float]:
+    """Bytes per device the ZeRO table predicts for this layout: each kind of state divided by the
+    ways every strategy splits it (``memory(strategy, mesh)`` in each strategy module)."""
     psi = tensor_local_params(trainer)
-    fsdp = trainer.layout.mesh.shape["fsdp"]
-    return {
-        kind: BYTES_PER_PARAM[kind] * psi / (fsdp if fsdp > 1 and zero_stage >= _STAGE_THAT_SHARDS[kind] else 1)
-        for kind in BYTES_PER_PARAM
-    }
+    ways = {kind: 1 for kind in BYTES_PER_PARAM}
+    for module in STRATEGIES:
+        for kind, n in module.memory(strategy, trainer.layout.mesh.shape).items():
+            ways[kind] *= n
+    return {kind: BYTES_PER_PARAM[kind] * psi / ways[kind] for kind in BYTES_PER_PARAM}
 
 
 def measured_memory(trainer, compiled_step) -> dict[str, int]:

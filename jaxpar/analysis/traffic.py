@@ -8,80 +8,72 @@ in the compute dtype, gradients summed in the reduction dtype).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
 
 from jaxpar.analysis import hlo
-from jaxpar.analysis.memory import tensor_local_params
-from jaxpar.parallel import data, fsdp, hsdp, tensor
+from jaxpar.analysis.memory import replicated_params, tensor_local_params
+from jaxpar.parallel import STRATEGIES
 
 # Scalar reductions (the loss, the gradient norm for clipping) are not part of any formula.
 SCALAR_BYTES = 16
 
 
-def _add(total: dict, axis: str, part: dict):
-    for kind, value in part.items():
-        total[(kind, axis)] = total.get((kind, axis), 0.0) + value
+@dataclasses.dataclass(frozen=True)
+class TrafficContext:
+    """What the strategies' traffic formulas read (``jaxpar.parallel``'s ``traffic(strategy, ctx)``)."""
+
+    layout: object
+    mesh: dict  # mesh axis -> degree
+    psi: float  # weights one device holds after tensor parallelism and the pipeline divide them
+    layer_psi: float  # of which stacked layer weights
+    replicated_psi: float  # weights kept whole over tensor (GQA key/value heads), gathered size
+    regathered: float  # weights gathered a second time for the backward pass (regather, a pipeline's recompute)
+    stored_shards: int  # ways the stored weights are split over the batch axes
+    grad_shards: int  # ways the reduced gradient is split over the batch axes before the last all-reduce
+    compute_bytes: int
+    reduce_bytes: int
+    stored_bytes: int
+    microbatches: int
+    batch_shards: int
+    batch: int
+    length: int
+    model: object  # the LlamaConfig, for the activation traffic (None: weights only)
+    schedule: object  # the pipeline schedule, or None
+
+
+def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
+    layout, cfg = trainer.layout, trainer.cfg
+    cb, rb = jnp.dtype(cfg.compute_dtype).itemsize, jnp.dtype(cfg.grad_reduce_dtype).itemsize
+    if layout.mesh.devices.flat[0].platform == "cpu":
+        cb, rb = max(cb, 4), max(rb, 4)  # XLA:CPU runs bf16 collectives in f32 (GPU and TPU do not)
+    layer_psi = tensor_local_params(trainer, only_layers=True)
+    regather = layout.regather or trainer.schedule is not None
+    ways = lambda mapping: math.prod(layout.mesh.shape[a] for a in layout.axes_of("embed", mapping) if a in layout.batch_axes)  # noqa: E731
+    return TrafficContext(
+        layout=layout, mesh=dict(layout.mesh.shape), psi=tensor_local_params(trainer), layer_psi=layer_psi,
+        replicated_psi=replicated_params(trainer), regathered=layer_psi if regather else 0.0,
+        stored_shards=ways("param"), grad_shards=ways("optimizer"), compute_bytes=cb, reduce_bytes=rb, stored_bytes=4,
+        microbatches=cfg.microbatches, batch_shards=layout.batch_shards, batch=batch_shape[0], length=batch_shape[1],
+        model=model_cfg, schedule=trainer.schedule,
+    )
 
 
 def optimal_traffic_by_axis(trainer, strategy, batch_shape, model_cfg=None) -> dict[tuple[str, str], float]:
-    """Bytes per device per step by (collective kind, mesh axis) for this layout.
+    """Bytes per device per step by (collective kind, mesh axis) for this layout: the sum of every
+    strategy's own formula.
 
     ``batch_shape`` = (global batch, sequence length). ``model_cfg`` (a LlamaConfig) adds the
     Megatron activation traffic, which depends on the model's structure.
     """
-    mesh, cfg = trainer.layout.mesh.shape, trainer.cfg
-    cb, rb = jnp.dtype(cfg.compute_dtype).itemsize, jnp.dtype(cfg.grad_reduce_dtype).itemsize
-    if trainer.layout.mesh.devices.flat[0].platform == "cpu":
-        cb, rb = max(cb, 4), max(rb, 4)  # XLA:CPU runs bf16 collectives in f32 (GPU and TPU do not)
-    psi = tensor_local_params(trainer)
-    f, r, t = mesh["fsdp"], mesh["data"], mesh["tensor"]
+    ctx = traffic_context(trainer, batch_shape, model_cfg)
     total: dict[tuple[str, str], float] = {}
-    # a pipeline's backward recomputes each stage's forward, gathering its layers again
-    pipelined = trainer.schedule is not None
-    regathered = tensor_local_params(trainer, only_layers=True) if strategy.regather or pipelined else 0.0
-    _add(total, "fsdp", fsdp.traffic(psi, f, strategy.zero_stage, cfg.microbatches, cb, rb, 4, regathered))
-    if r > 1:
-        reduced = hsdp.cross_group_bytes(psi * rb, r, f) if f > 1 else data.grad_allreduce_bytes(psi * rb, r)
-        _add(total, "data", {"all-reduce": reduced})
-    if t > 1 and model_cfg is not None:
-        batch, length = batch_shape
-        local_tokens = batch // (r * f) * length
-        activation = local_tokens * model_cfg.embed * cb
-        passes = tensor.activation_passes(model_cfg.layers)
-        if strategy.sequence_parallel:
-            one_way = passes * activation * (t - 1) / t
-            _add(total, "tensor", {"all-gather": one_way, "reduce-scatter": one_way})
-            norms = (2 * model_cfg.layers + 1) * model_cfg.embed * rb  # norm-weight gradients summed over tensor
-            _add(total, "tensor", {"all-reduce": data.grad_allreduce_bytes(norms, t)})
-        else:
-            _add(total, "tensor", {"all-reduce": passes * data.grad_allreduce_bytes(activation, t)})
-        # vocab-parallel cross-entropy: max, sum of exponentials and target logit per token
-        _add(total, "tensor", {"all-reduce": 3 * data.grad_allreduce_bytes(local_tokens * 4, t)})
-    if pipelined:
-        # ZeRO-3's gathers have reduce-scattered the edge gradients over fsdp before the stage sum
-        edge_shards = f if strategy.zero_stage == 3 else 1
-        _add(total, "stage", _stage_traffic(trainer, batch_shape, model_cfg, cb, rb, edge_shards))
+    for module in STRATEGIES:
+        for key, value in module.traffic(strategy, ctx).items():
+            total[key] = total.get(key, 0.0) + value
     return total
-
-
-def _stage_traffic(trainer, batch_shape, model_cfg, cb: int, rb: int, edge_shards: int) -> dict[str, float]:
-    """Over ``stage``: each device sends the output of each forward it runs to the next stage
-    and the input gradient of each backward to the previous one (m x chunks of each), and the
-    edge weights' gradients (embedding, head; ``edge_shards`` ways split) are summed over the
-    stages once."""
-    layout, schedule = trainer.layout, trainer.schedule
-    out = {}
-    if model_cfg is not None:
-        batch, length = batch_shape
-        ways = lambda name: math.prod(layout.mesh.shape[a] for a in layout.axes_of(name))  # noqa: E731
-        rows = batch // (schedule.microbatches * ways("batch"))
-        activation = rows * length // ways("residual_length") * model_cfg.embed * cb
-        out["collective-permute"] = 2 * schedule.microbatches * schedule.chunks * activation
-    edge = tensor_local_params(trainer) - tensor_local_params(trainer, only_layers=True)
-    out["all-reduce"] = data.grad_allreduce_bytes(edge / edge_shards * rb, schedule.stages)
-    return out
 
 
 def optimal_traffic(trainer, strategy, batch_shape, model_cfg=None) -> dict[str, float]:

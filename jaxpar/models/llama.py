@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar import ops
-from jaxpar.rules import constrain, gather_params, layer_checkpoint, reduce_partial, regather
+from jaxpar.rules import constrain, layer_checkpoint, reduce_partial, regather, shard_offset
 
 # Activation layouts: the residual stream, and the inside of attention / MLP blocks.
 RESIDUAL = ("batch", "residual_length", "embed")
@@ -97,15 +97,14 @@ class Llama(nnx.Module):
     def __call__(self, tokens):
         """Logits (batch, length, vocab) for int tokens (batch, length).
 
-        Top-level weights arrive gathered and in the compute dtype (jaxpar's step runs
-        ``gather_params`` on the model's state); the stacked layer weights are gathered here, one
-        layer per scan step."""
+        Weights arrive as the layout computes them: jaxpar's step gathers the top-level ones before
+        the call and each layer's slice of the stacked ones when the scan reads it."""
         cfg = self.cfg
         x = ops.embed_lookup(self.embedding[...], tokens, RESIDUAL)
         positions = jnp.arange(tokens.shape[1])
 
         def layer(x, stacked_slice):
-            w = {name: var[...] for name, var in gather_params(stacked_slice).items()}
+            w = {name: var[...] for name, var in stacked_slice.items()}
             return _block(x, w, cfg, positions), None
 
         x, _ = jax.lax.scan(layer_checkpoint(layer, cfg.remat), x, nnx.state(self.layers))
@@ -141,8 +140,9 @@ def _rope(x, positions, theta):
 
 def _attention(h, w, cfg, positions):
     q = _rope(jnp.einsum("ble,ehd->blhd", h, w["wq"]), positions, cfg.rope_theta)
-    k = _rope(jnp.einsum("ble,ekd->blkd", h, w["wk"]), positions, cfg.rope_theta)
-    v = jnp.einsum("ble,ekd->blkd", h, w["wv"])
+    wk, wv = _kv_for_local_heads(w["wk"], w["wv"], cfg, q.shape[2])
+    k = _rope(jnp.einsum("ble,ekd->blkd", h, wk), positions, cfg.rope_theta)
+    v = jnp.einsum("ble,ekd->blkd", h, wv)
     q = constrain(q, ("batch", "length", "heads", "head_dim"))
     k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     b, length, heads, d = q.shape
@@ -155,6 +155,18 @@ def _attention(h, w, cfg, positions):
     out = jnp.einsum("bkglm,bmkd->blkgd", probs, v).reshape(b, length, heads, d)
     out = constrain(out, ("batch", "length", "heads", "head_dim"))
     return jnp.einsum("blhd,hde->ble", out, w["wo"])
+
+
+def _kv_for_local_heads(wk, wv, cfg, local_heads: int):
+    """The key/value weights of the heads this device's ``local_heads`` query heads read. With
+    more tensor shards than key/value heads the layout keeps those weights whole on every device
+    (replicated); each device then takes the one its query group uses."""
+    if wk.shape[1] * cfg.heads <= local_heads * cfg.kv_heads:
+        return wk, wv  # split like the query heads (or one device): nothing to pick
+    group = cfg.heads // cfg.kv_heads  # query heads per key/value head
+    first = shard_offset(("batch", "length", "heads", "head_dim"), 2, local_heads) // group
+    count = max(1, local_heads // group)
+    return (jax.lax.dynamic_slice_in_dim(wk, first, count, axis=1), jax.lax.dynamic_slice_in_dim(wv, first, count, axis=1))
 
 
 def _block(x, w, cfg, positions):

@@ -8,8 +8,22 @@ A strategy string names mesh-axis degrees and options, e.g.::
     "data=2,tensor=4,sp=on"        DP x TP with sequence parallelism
     "fsdp=8,regather=on"           FSDP that gathers weights again for the backward pass
 
-Each strategy lives in its own file (data.py, fsdp.py, hsdp.py, tensor.py, sequence.py) with its
-rules and its analytic traffic; this module composes them.
+Each strategy is one module of this package and holds everything it is:
+
+- ``AXES``: the mesh axes it owns (``STRATEGIES`` order is the mesh's, outermost first), and
+  ``CROSSES_DCN``: whether they may span the slow links between slices or nodes;
+- ``OPTIONS``: ``{key: (parse(key, text), default)}``, the options it reads from the string;
+  ``reshape(degrees, options)`` where its options re-split the degrees;
+- ``check(strategy)``: refuse degrees and options that cannot work, before any device is used;
+- ``rules(strategy, compute, stored)``: its part of the mappings (the stored mappings start from
+  the compute mapping of every weight axis, so a strategy adds to ``stored`` only what is stored
+  split more than it is computed); the gradient reductions follow from these (``train/step.py``);
+- ``traffic(strategy, ctx)``: its analytic optimum, ``{(collective kind, mesh axis): bytes}`` per
+  device per step (``analysis/traffic.py`` gives ``ctx``);
+- ``memory(strategy, mesh_shape)``: ``{state kind: ways it is split}`` for the ZeRO table.
+
+``build_layout``, the trainer and the analysis iterate over ``STRATEGIES``: a new strategy is one
+new module and one line below.
 """
 
 from __future__ import annotations
@@ -19,66 +33,62 @@ import warnings
 
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import SpecError
-from jaxpar.parallel import data, fsdp, sequence, tensor
+from jaxpar.parallel import context, data, expert, fsdp, sequence, stage, tensor
 from jaxpar.rules import LOGICAL_AXES, Layout
 
-OPTIONS = ("zero", "sp", "regather")  # strategy-string keys that are options, not mesh axes
-_TRUE, _FALSE = {"on", "1", "true", "yes"}, {"off", "0", "false", "no"}
+STRATEGIES = (stage, data, fsdp, expert, context, tensor, sequence)
+OPTIONS = {key: (module, *parse) for module in STRATEGIES for key, parse in module.OPTIONS.items()}
+ACTIVATION_AXES = ("batch", "length", "residual_length")  # logical axes no weight has
 
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    spec: mesh_lib.ParallelSpec
-    zero_stage: int = 3
-    sequence_parallel: bool = False
-    regather: bool = False
+    spec: mesh_lib.ParallelSpec  # the mesh's degrees (after any strategy re-split them)
+    options: dict  # every option, given or default
+    given: dict = dataclasses.field(default_factory=dict)  # the options as written (key -> text)
+    written: str = ""  # the degrees as written, where a strategy's option re-split them
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return self.spec.degrees
+
+    @property
+    def zero_stage(self) -> int:
+        return self.options["zero"]
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.options["sp"]
+
+    @property
+    def regather(self) -> bool:
+        return self.options["regather"]
 
     def __str__(self) -> str:
-        parts = [str(self.spec)]
-        if self.spec.degrees["fsdp"] > 1 and self.zero_stage != 3:
-            parts.append(f"zero={self.zero_stage}")
-        if self.sequence_parallel:
-            parts.append("sp=on")
-        if self.regather:
-            parts.append("regather=on")
-        return ",".join(parts)
-
-
-def _flag(key: str, value: str) -> bool:
-    v = value.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise SpecError(f"option {key}={value!r}: use on or off")
+        return ",".join([self.written or str(self.spec)] + [f"{k}={v}" for k, v in self.given.items()])
 
 
 def parse_strategy(text: str, num_devices: int) -> Strategy:
     """Parse ``"data=2,fsdp=-1,tensor=2,zero=3,sp=off"`` for ``num_devices`` devices."""
-    axes, options = [], {}
+    axes, given = [], {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key = part.partition("=")[0].strip()
         if key in OPTIONS:
-            if key in options:  # else the last would silently win
-                raise SpecError(f"option {key!r} is given twice in strategy {text!r} ({key}={options[key]} and {part}); give it once")
-            options[key] = part.partition("=")[2]
+            if key in given:  # else the last would silently win
+                raise SpecError(f"option {key!r} is given twice in strategy {text!r} ({key}={given[key]} and {part}); give it once")
+            given[key] = part.partition("=")[2].strip()
         else:
             axes.append(part)
     spec = mesh_lib.parse_spec(",".join(axes), num_devices) if axes else mesh_lib.parse_spec({"data": -1}, num_devices)
-    zero = 3
-    if "zero" in options:
-        try:
-            zero = int(options["zero"])
-        except ValueError:
-            raise SpecError(f"option zero={options['zero']!r}: use 1, 2 or 3") from None
-        fsdp.check_stage(zero)
-        if spec.degrees["fsdp"] == 1:
-            raise SpecError(f"zero={zero} shards over the fsdp axis, but strategy {text!r} has fsdp=1; add e.g. fsdp=-1")
-    sp = _flag("sp", options["sp"]) if "sp" in options else False
-    if sp and spec.degrees["tensor"] == 1:
-        raise SpecError(f"sp=on splits the sequence over the tensor axis, but strategy {text!r} has tensor=1; add tensor=N")
-    regather = _flag("regather", options["regather"]) if "regather" in options else False
-    return Strategy(spec, zero, sp, regather)
+    options = {key: (parse(key, given[key]) if key in given else default) for key, (_, parse, default) in OPTIONS.items()}
+    degrees = spec.degrees
+    for module in STRATEGIES:
+        if hasattr(module, "reshape"):
+            degrees = module.reshape(degrees, options)
+    strategy = Strategy(mesh_lib.ParallelSpec(degrees), options, given, str(spec) if degrees != spec.degrees else "")
+    for module in STRATEGIES:
+        module.check(strategy)
+    return strategy
 
 
 def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_rules=None, aliases=None) -> Layout:
@@ -93,25 +103,14 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
             raise SpecError(f"alias {alias!r} -> {target!r}: map a name of your model's own onto one of jaxpar's "
                             f"logical axes ({', '.join(LOGICAL_AXES)})")
     mesh = mesh_lib.make_mesh(strategy.spec, devices, num_slices)
-    # Compute mapping: batch over every data-parallel axis, Megatron dims over tensor.
     compute = {name: () for name in LOGICAL_AXES}
-    compute["batch"] = data.BATCH_AXES + ("fsdp",)
-    compute["length"] = ("context",)
-    compute[sequence.LOGICAL_AXIS] = ("context",) + (("tensor",) if strategy.sequence_parallel else ())
-    for name in tensor.LOGICAL_AXES:
-        compute[name] = ("tensor",)
-    compute["experts"] = ("expert",)
+    extra = {mapping: {name: () for name in LOGICAL_AXES if name not in ACTIVATION_AXES} for mapping in ("param", "optimizer", "grad")}
+    for module in STRATEGIES:
+        module.rules(strategy, compute, extra)
     compute.update(extra_rules or {})
-    # Stored mappings: as computed, plus embed over fsdp where the ZeRO stage says so.
-    sharded = fsdp.mappings(strategy.zero_stage) if strategy.spec.degrees["fsdp"] > 1 else {}
-    stored = {}
-    for mapping in ("param", "optimizer", "grad"):
-        rules = {name: axes for name, axes in compute.items() if name not in ("batch", "length", sequence.LOGICAL_AXIS)}
-        if sharded.get(mapping):
-            rules[fsdp.SHARDED_LOGICAL_AXIS] = rules[fsdp.SHARDED_LOGICAL_AXIS] + ("fsdp",)
-        if strategy.spec.degrees["stage"] > 1:
-            rules["layers"] = ("stage",)  # pipeline: each stage stores its own consecutive layers
-        stored[mapping] = rules
+    stored = {mapping: {name: compute.get(name, ()) + axes for name, axes in rules.items()} for mapping, rules in extra.items()}
+    for mapping, rules in stored.items():  # a user's own logical axes are stored as computed
+        rules.update({name: axes for name, axes in (extra_rules or {}).items() if name not in rules})
     for rules in (compute, *stored.values()):
         rules.update({alias: rules[target] for alias, target in (aliases or {}).items()})
     dcn_axes: tuple[str, ...] = ()
@@ -121,5 +120,6 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
             _, dcn = mesh_lib.split_ici_dcn(strategy.spec, num_slices)
         dcn_axes = tuple(a for a, d in dcn.items() if d > 1)
     return Layout(
-        mesh, compute, stored["param"], stored["optimizer"], stored["grad"], regather=strategy.regather, dcn_axes=dcn_axes
+        mesh, compute, stored["param"], stored["optimizer"], stored["grad"], regather=strategy.regather, dcn_axes=dcn_axes,
+        replicable=tensor.REPLICABLE,
     )

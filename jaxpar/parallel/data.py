@@ -1,12 +1,34 @@
-"""Data parallelism (DP): every device keeps all weights; the batch is split over ``data``.
+"""Data parallelism (DP) over ``data``: every device of a group keeps the same weights; the batch is
+split over ``data`` (and over every other batch axis: ``fsdp``).
 
-Gradients are all-reduced over ``data`` once per step: 2*Psi_b*(N-1)/N bytes per device
-(ring all-reduce), Psi_b being the bytes of the gradients that cross it.
+Gradients are all-reduced over ``data`` once per step, after the reductions inside a group: a ring
+all-reduce sends 2*Psi_b*(N-1)/N bytes per device, Psi_b being the bytes of the gradient shard each
+device still holds. Under HSDP (``data=R,fsdp=F``: shard inside groups of F on fast links,
+replicate across R groups, which may cross DCN) that shard is 1/F of the gradient.
 """
 
-BATCH_AXES = ("data",)
+AXES = ("data",)
+CROSSES_DCN = True  # light enough traffic for the slow links between slices / nodes
+OPTIONS: dict = {}
+
+
+def check(strategy):
+    """Nothing to refuse: any degree works."""
+
+
+def rules(strategy, compute: dict, stored: dict):
+    compute["batch"] = compute["batch"] + AXES
 
 
 def grad_allreduce_bytes(psi_bytes: float, n: int) -> float:
-    """Bytes one device sends to all-reduce ``psi_bytes`` of gradients over ``n`` replicas."""
+    """Bytes one device sends to all-reduce ``psi_bytes`` over ``n`` devices (ring)."""
     return 2.0 * psi_bytes * (n - 1) / n if n > 1 else 0.0
+
+
+def traffic(strategy, ctx) -> dict:
+    n = ctx.mesh["data"]
+    return {("all-reduce", "data"): grad_allreduce_bytes(ctx.psi / ctx.grad_shards * ctx.reduce_bytes, n)} if n > 1 else {}
+
+
+def memory(strategy, mesh) -> dict:
+    return {}  # replicates every kind of state

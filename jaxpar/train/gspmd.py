@@ -22,6 +22,8 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxpar.rules import gather_layers_when_read, use_layout
+
 AUTO_AXIS_ERROR = "of type Auto"  # JAX's words when out_sharding names an axis that is not explicit
 
 
@@ -63,9 +65,11 @@ def grads_fn(trainer, explicit: bool):
     def objective(params, micro_batch):
         cast = jax.tree.map(lambda w: w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w, params)
         state = trainer._with_values(cast)
-        if not explicit:
-            _gather_layers_in_the_loop(state, trainer)
-        return trainer.loss_fn(nnx.merge(trainer.graphdef, state), micro_batch)
+        if explicit:  # weights enter gathered (see the module docstring)
+            return trainer.loss_fn(nnx.merge(trainer.graphdef, state), micro_batch)
+        gather_layers_when_read(state)  # XLA would hoist one gather of every layer out of the loop
+        with use_layout(layout, compute_dtype=dtype):
+            return trainer.loss_fn(nnx.merge(trainer.graphdef, state), micro_batch)
 
     def value_and_grad(params, micro_batch):
         fn = jax.value_and_grad(objective)
@@ -94,25 +98,6 @@ def grads_fn(trainer, explicit: bool):
         return jnp.mean(losses), norm, g
 
     return grads
-
-
-def _gather_layers_in_the_loop(state, trainer):
-    """Make every read of one layer's slice of a stacked weight lay it out as computed (all
-    gathered over ``fsdp``). Inside the model's layer loop that slice depends on the loop index, so
-    XLA gathers one layer at a time there; left alone, it hoists one gather of every layer's
-    weights out of the loop, which holds them all at once."""
-    layout = trainer.layout
-    for path, var in nnx.to_flat_state(state):
-        names = trainer.names[path]
-        if "layers" not in names:
-            continue
-        layer_names = tuple(n for n in names if n != "layers")
-        sharding = jax.sharding.NamedSharding(layout.mesh, layout.spec(layer_names, "compute"))
-
-        def in_compute_layout(_, value, sharding=sharding, rank=len(layer_names)):
-            return jax.lax.with_sharding_constraint(value, sharding) if value.ndim == rank else value
-
-        var.set_metadata("on_get_value", in_compute_layout)
 
 
 def accumulator_bytes(trainer) -> int:

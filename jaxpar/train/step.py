@@ -36,7 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel import schedules
-from jaxpar.rules import Layout, gather_params, gather_plan, logical_names, record_model_calls, use_layout, varying_axes
+from jaxpar.rules import (Layout, gather_layers_when_read, gather_params, gather_plan, logical_names, record_model_calls, use_layout,
+                          varying_axes)
 from jaxpar.train import check as check_lib
 from jaxpar.train import grad_sync, gspmd
 
@@ -128,13 +129,14 @@ class Trainer:
         self.pipeline_pieces = pipeline
         self.graphdef, self.abstract = abstract_model(model_fn)
         flat = self._flat_abstract = _paths(self.abstract)
-        self.names = {}
+        self.names, self.written_names = {}, {}
         for path, var in flat.items():
             value = var.get_value()
             names = logical_names(var) or (None,) * value.ndim
             if len(names) != value.ndim:
                 raise LayoutError(f"weight {'/'.join(map(str, path))} has shape {value.shape} but {len(names)} logical names {names}")
-            self.names[path] = names
+            self.written_names[path] = names
+            self.names[path] = layout.effective_names(names, value.shape)  # replicated short dims unnamed
         self._check_layout(flat)
         self.grad_sync = grad_sync.resolve(cfg, layout)  # None: exact
         self.pipeline, self.schedule, self.program = self._pipeline(pipeline)
@@ -379,8 +381,9 @@ class Trainer:
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
         def objective(p, mb):
-            model = nnx.merge(self.graphdef, gather_params(self._with_values(p)))
-            return self.loss_fn(model, mb) / shards
+            state = gather_params(self._with_values(p))  # the top-level weights, whole
+            gather_layers_when_read(state)  # stacked ones, one layer at a time in the model's loop
+            return self.loss_fn(nnx.merge(self.graphdef, state), mb) / shards
 
         def reduce(grads, which):
             if sync is not None and (which == "final" or k == 1):  # with k > 1 the per-micro-batch ones stay exact

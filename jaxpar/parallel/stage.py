@@ -1,0 +1,48 @@
+"""Pipeline parallelism over ``stage``: each stage stores and runs its own consecutive layers.
+
+The schedules (GPipe, 1F1B, interleaved, eager, PipeDream) are data (``schedules.py``) and one
+jitted program runs them (``pipeline.py``). Per step each device sends the output of each forward
+it runs to the next stage and the input gradient of each backward to the previous one (m x chunks
+of each), and the gradients of the edge weights (embedding, head: on the first and the last stage)
+are summed over the stages once. The backward recomputes each stage's forward from its input, so
+FSDP gathers the stage's layers a second time.
+"""
+
+import math
+
+from jaxpar.parallel import data
+
+AXES = ("stage",)
+CROSSES_DCN = True
+OPTIONS: dict = {}
+
+
+def check(strategy):
+    """The schedule and the micro-batches are checked when the trainer is built."""
+
+
+def rules(strategy, compute: dict, stored: dict):
+    if strategy.degrees["stage"] > 1:
+        for rules_ in stored.values():
+            rules_["layers"] = rules_["layers"] + AXES
+
+
+def traffic(strategy, ctx) -> dict:
+    schedule = ctx.schedule
+    if schedule is None:
+        return {}
+    out = {}
+    if ctx.model is not None:
+        layout = ctx.layout
+        ways = lambda name: math.prod(layout.mesh.shape[a] for a in layout.axes_of(name))  # noqa: E731
+        rows = ctx.batch // (schedule.microbatches * ways("batch"))
+        activation = rows * ctx.length // ways("residual_length") * ctx.model.embed * ctx.compute_bytes
+        out[("collective-permute", "stage")] = 2 * schedule.microbatches * schedule.chunks * activation
+    # the gathers' backward has reduce-scattered the edge gradients over the axes weights are stored on
+    edge = (ctx.psi - ctx.layer_psi) / ctx.stored_shards
+    out[("all-reduce", "stage")] = data.grad_allreduce_bytes(edge * ctx.reduce_bytes, schedule.stages)
+    return out
+
+
+def memory(strategy, mesh) -> dict:
+    return {}  # the split is in the per-device weight count (ctx.psi): a stage holds its own layers
