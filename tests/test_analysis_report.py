@@ -3,9 +3,10 @@ optimum and the ZeRO table (both within 2%); no collective kind the strategy doe
 import functools
 import re
 
+import numpy as np
 import pytest
 
-from jaxpar.analysis import memory, traffic
+from jaxpar.analysis import hlo, memory, traffic
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.parallel import pipeline as pl
@@ -130,3 +131,35 @@ def test_pipeline_memory_and_stage_traffic():
     assert report["by_axes"]["all-reduce over stage"]["bytes_per_device"] == pytest.approx(edge * 4, rel=0.02)
     assert "upper bound" in report["note"]
 
+
+def test_hierarchical_zero_gathers_inside_groups_and_splits_the_rest_over_all():
+    """fsdp=8,param_shards=4: weights stored over groups of 4 neighbouring devices (fsdp=4),
+    gradients and Adam moments over all 8 (fsdp_group=2 x fsdp=4). Formula (Psi weights, k
+    micro-batches, float32): over fsdp, k gathers and k reduce-scatters of Psi*(3/4)*4 bytes;
+    over fsdp_group, k reduce-scatters of the group's shard (Psi/4)*(1/2)*4 bytes and one gather
+    of the updated weights, (Psi/4)*(1/2)*4 bytes; memory 4*Psi/4, 4*Psi/8 and 8*Psi/8 bytes.
+    (k = 1: with k > 1 XLA hoists some loop-invariant gathers out of the micro-batch loop, as it
+    does for plain FSDP.)"""
+    k, psi = 1, TINY.num_params()
+    strategy, trainer, step = compiled("fsdp=8,param_shards=4", TrainConfig(microbatches=k))
+    measured = memory.measured_memory(trainer, step)
+    expected = {"parameters": 4 * psi / 4, "gradient_accumulation": 4 * psi / 8, "optimizer": 8 * psi / 8}
+    assert memory.zero_table(trainer, strategy) == pytest.approx(expected)
+    for kind, value in expected.items():
+        assert measured[kind] == pytest.approx(value, rel=0.02), kind
+    cols = [c for c in hlo.collectives(step.as_text(), trainer.layout.mesh) if c.operand_bytes > traffic.SCALAR_BYTES]
+    by_axes = {key: row["bytes_per_device"] for key, row in hlo.by_axes(cols).items()}
+    shard = psi / 4 * (1 / 2) * 4
+    formula = {("all-gather", ("fsdp",)): k * psi * 3 / 4 * 4, ("reduce-scatter", ("fsdp",)): k * psi * 3 / 4 * 4,
+               ("reduce-scatter", ("fsdp_group",)): k * shard, ("all-gather", ("fsdp_group",)): shard}
+    assert set(by_axes) == set(formula), by_axes
+    for key, value in formula.items():
+        assert by_axes[key] == pytest.approx(value, rel=0.02), key
+    optimum = traffic.optimal_traffic_by_axis(trainer, strategy, (BATCH, SEQ), TINY)
+    assert optimum == pytest.approx({(kind, axes[0]): v for (kind, axes), v in formula.items()})
+    # the weight gathers run inside groups of 4 neighbouring devices: replica groups {0..3}, {4..7}
+    gathers = [c for c in cols if c.kind == "all-gather" and c.mesh_axes == ("fsdp",)]
+    assert gathers and all(c.group_size == 4 for c in gathers)
+    mesh = trainer.layout.mesh
+    groups = np.vectorize(lambda d: d.id)(mesh.devices).reshape(mesh.shape["fsdp_group"], mesh.shape["fsdp"])
+    assert groups.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -22,7 +22,7 @@ from jaxpar.train.step import TrainConfig, Trainer, TrainState
 init = nnx.initializers.normal(0.02)
 # an activation with its batch dim split over every axis jaxpar splits batches over (documented;
 # degree-1 axes included, so the model is the same under every layout)
-BATCH_SPLIT = P(("data", "fsdp"), None, None)
+BATCH_SPLIT = P(("data", "fsdp_group", "fsdp"), None, None)
 part = nnx.with_partitioning
 
 

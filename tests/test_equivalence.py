@@ -108,6 +108,7 @@ LAYOUTS = [
     pytest.param("data=2,fsdp=2,tensor=2", marks=_slow),  # HSDP with TP
     "data=2,fsdp=2,tensor=2,sp=on",
     pytest.param("fsdp=8,regather=on", marks=_slow),
+    "fsdp=8,param_shards=4",  # hierarchical ZeRO: weights in groups of 4, the rest over 8
     "tensor=8",  # TP above the 4 key/value heads: they are kept whole on every device
 ]
 

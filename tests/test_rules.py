@@ -54,6 +54,10 @@ def test_sequence_parallel_shards_the_residual_stream_only():
         ("fsdp=8,sp=on", SpecError, "tensor=1"),
         ("fsdp=8,zero=4", SpecError, "zero=4"),
         ("fsdp=8,regather=maybe", SpecError, "on or off"),
+        ("fsdp=8,param_shards=3", SpecError, "param_shards=3 must divide fsdp=8"),
+        ("fsdp=8,param_shards=8", SpecError, "strictly between 1 and 8"),
+        ("fsdp_group=2,fsdp=4", SpecError, "write fsdp=N,param_shards=P"),
+        ("fsdp=8,zero=1,param_shards=4", SpecError, "hierarchical ZeRO is ZeRO-3"),
     ],
 )
 def test_bad_strategies(text, error, culprit):

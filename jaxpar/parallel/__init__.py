@@ -7,13 +7,14 @@ A strategy string names mesh-axis degrees and options, e.g.::
     "data=2,fsdp=4"                HSDP: shard inside groups of 4, replicate across 2 groups
     "data=2,tensor=4,sp=on"        DP x TP with sequence parallelism
     "fsdp=8,regather=on"           FSDP that gathers weights again for the backward pass
+    "fsdp=8,param_shards=4"        hierarchical ZeRO: weights split in groups of 4, the rest over 8
 
 Each strategy is one module of this package and holds everything it is:
 
 - ``AXES``: the mesh axes it owns (``STRATEGIES`` order is the mesh's, outermost first), and
   ``CROSSES_DCN``: whether they may span the slow links between slices or nodes;
 - ``OPTIONS``: ``{key: (parse(key, text), default)}``, the options it reads from the string;
-  ``reshape(degrees, options)`` where its options re-split the degrees;
+  ``reshape(degrees, options)`` where its options re-split the degrees (hierarchical ZeRO);
 - ``check(strategy)``: refuse degrees and options that cannot work, before any device is used;
 - ``rules(strategy, compute, stored)``: its part of the mappings (the stored mappings start from
   the compute mapping of every weight axis, so a strategy adds to ``stored`` only what is stored
@@ -33,10 +34,10 @@ import warnings
 
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import SpecError
-from jaxpar.parallel import context, data, expert, fsdp, sequence, stage, tensor
+from jaxpar.parallel import context, data, expert, fsdp, hierarchical_zero, sequence, stage, tensor
 from jaxpar.rules import LOGICAL_AXES, Layout
 
-STRATEGIES = (stage, data, fsdp, expert, context, tensor, sequence)
+STRATEGIES = (stage, data, hierarchical_zero, fsdp, expert, context, tensor, sequence)
 OPTIONS = {key: (module, *parse) for module in STRATEGIES for key, parse in module.OPTIONS.items()}
 ACTIVATION_AXES = ("batch", "length", "residual_length")  # logical axes no weight has
 
@@ -46,7 +47,7 @@ class Strategy:
     spec: mesh_lib.ParallelSpec  # the mesh's degrees (after any strategy re-split them)
     options: dict  # every option, given or default
     given: dict = dataclasses.field(default_factory=dict)  # the options as written (key -> text)
-    written: str = ""  # the degrees as written, where a strategy's option re-split them
+    written: str = ""  # the degrees as written, e.g. "fsdp=8" for fsdp=4 x fsdp_group=2
 
     @property
     def degrees(self) -> dict[str, int]:

@@ -1,5 +1,5 @@
 """Data parallelism (DP) over ``data``: every device of a group keeps the same weights; the batch is
-split over ``data`` (and over every other batch axis: ``fsdp``).
+split over ``data`` (and over every other batch axis: ``fsdp``, ``fsdp_group``).
 
 Gradients are all-reduced over ``data`` once per step, after the reductions inside a group: a ring
 all-reduce sends 2*Psi_b*(N-1)/N bytes per device, Psi_b being the bytes of the gradient shard each

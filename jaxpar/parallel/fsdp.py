@@ -54,8 +54,8 @@ def rules(strategy, compute: dict, stored: dict):
     if strategy.degrees["fsdp"] > 1:
         for mapping, first in SHARDED_FROM.items():
             if strategy.options["zero"] >= first:
-                rules_ = stored[mapping]
-                rules_[SHARDED_LOGICAL_AXIS] = rules_[SHARDED_LOGICAL_AXIS] + AXES
+                rules_ = stored[mapping]  # fsdp major: see hierarchical_zero.rules
+                rules_[SHARDED_LOGICAL_AXIS] = AXES + rules_[SHARDED_LOGICAL_AXIS]
 
 
 def traffic(strategy, ctx) -> dict:
