@@ -56,7 +56,7 @@ def main():
     graphdef, abstract = abstract_model(lambda r: llama.Llama(cfg, rngs=r))
     with nnx.use_eager_sharding(False):
         params = nnx.to_pure_dict(nnx.state(llama.Llama(cfg, rngs=nnx.Rngs(0))))
-    model = pl.llama_pieces(cfg, abstract)
+    model = pl.split_by_layer_stack(llama.pipeline_pieces(cfg), abstract)
     stacked, edge = model.split(params)
     layout = build_layout(parse_strategy(f"stage={S},data={8 // S}", 8))
     tokens = jax.random.randint(jax.random.key(0), (m, 4, 65), 0, cfg.vocab_size)

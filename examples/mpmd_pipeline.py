@@ -36,7 +36,7 @@ cfg = llama.CONFIGS["tiny"]
 _, abstract = abstract_model(lambda r: llama.Llama(cfg, rngs=r))
 with nnx.use_eager_sharding(False):
     params = nnx.to_pure_dict(nnx.state(llama.Llama(cfg, rngs=nnx.Rngs(0))))
-split = pipeline.llama_pieces(cfg, abstract)
+split = pipeline.split_by_layer_stack(llama.pipeline_pieces(cfg), abstract)
 
 microbatches, rows, length = args.microbatches, args.rows, args.seq_len
 layouts = mpmd.stage_layouts(["tensor=4", "data=2,tensor=2"])

@@ -10,7 +10,7 @@ A model names the dims of its weights and activations with *logical* axes (``bat
 
 The training step runs the model inside one ``shard_map`` over every mesh axis ("manual" mode), so
 each collective is placed on purpose: a model never imports a mesh, it calls ``constrain``,
-``regather``, ``reduce_partial`` and ``gather_params`` with logical names, and the active layout
+``enter_block``, ``reduce_partial`` and ``gather_params`` with logical names, and the active layout
 turns those into collectives (or into nothing on one device).
 """
 
@@ -212,19 +212,19 @@ def constrain(x, names: Names):
     return jax.lax.with_sharding_constraint(x, active.layout.sharding(names, shape=x.shape))
 
 
-def regather(x, src: Names, dst: Names):
+def enter_block(x, src: Names, dst: Names):
     """Move ``x`` from layout ``src`` to ``dst`` where ``dst`` shards less (e.g. the sequence-parallel
     residual stream entering an attention or MLP block): all-gathers the dims that lose mesh axes.
 
     In jaxpar's step, refuses an ``x`` that differs across a model-parallel mesh axis none of its
     ``src`` dims is split over: it holds a partial sum that was never finished (see ``_unfinished``)."""
     _check_rank(x, dst)
-    _called("regather")
+    _called("enter_block")
     active = _ACTIVE.get()
     if active is None or not active.manual:
         return constrain(x, dst)
     layout = active.layout
-    _refuse_unfinished_sum(x, src, layout, "regather")
+    _refuse_unfinished_sum(x, src, layout, "enter_block")
     for dim, (s, d) in enumerate(zip(src, dst)):
         lost = tuple(a for a in layout.axes_of(s) if a not in layout.axes_of(d))
         if lost:

@@ -19,7 +19,7 @@ BATCH, SEQ = 16, 32
 @functools.cache  # the traffic and the memory tests read the same compiled step
 def compiled(strategy_text, cfg=TrainConfig(), model_cfg=TINY):
     strategy = parse_strategy(strategy_text, 8)
-    pieces = functools.partial(pl.llama_pieces, model_cfg) if strategy.spec.degrees["stage"] > 1 else None
+    pieces = functools.partial(pl.split_by_layer_stack, llama.pipeline_pieces(model_cfg)) if strategy.spec.degrees["stage"] > 1 else None
     trainer = Trainer(build_layout(strategy), lambda r: llama.Llama(model_cfg, rngs=r), llama.loss_fn, cfg,
                       pipeline=pieces)
     batch = trainer.abstract_batch(BATCH, SEQ)

@@ -10,7 +10,7 @@ from jaxpar import cli, ops
 from jaxpar.errors import LayoutError
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
-from jaxpar.rules import reduce_partial, regather
+from jaxpar.rules import enter_block, reduce_partial
 from jaxpar.train.step import TrainConfig, Trainer
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (8, 17), dtype=np.int32)
@@ -57,10 +57,10 @@ class ManualModel(nnx.Module):
             x = jax.nn.one_hot(tokens, table.shape[0]) @ table
         else:  # what nnx.Embed does: a take from the table it holds
             x = jnp.take(table, tokens, axis=0, mode="clip")
-        h = regather(x, NAMES, NAMES)
+        h = enter_block(x, NAMES, NAMES)
         out = jax.nn.gelu(h @ self.up[...]) @ self.down[...]
         x = x + (reduce_partial(out, ("mlp",), NAMES) if self.finish_sum else out)
-        logits = regather(x, NAMES, NAMES) @ self.table[...].T
+        logits = enter_block(x, NAMES, NAMES) @ self.table[...].T
         return logits
 
 

@@ -52,7 +52,7 @@ def test_mlp_schedules_match_one_device(name, specs, m, chunks):
 @pytest.fixture(scope="module")
 def tiny_llama_pieces(tiny_llama):
     cfg, graphdef, abstract, params = tiny_llama
-    return cfg, graphdef, params, pl.llama_pieces(cfg, abstract)
+    return cfg, graphdef, params, pl.split_by_layer_stack(llama.pipeline_pieces(cfg), abstract)
 
 
 LLAMA_CASES = [

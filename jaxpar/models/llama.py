@@ -14,11 +14,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar import ops
-from jaxpar.rules import constrain, layer_checkpoint, reduce_partial, regather, shard_offset
+from jaxpar.rules import constrain, enter_block, layer_checkpoint, reduce_partial, shard_offset
 
 # Activation layouts: the residual stream, and the inside of attention / MLP blocks.
 RESIDUAL = ("batch", "residual_length", "embed")
 BLOCK = ("batch", "length", "embed")
+LOGITS = ("batch", "length", "vocab")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,27 +100,57 @@ class Llama(nnx.Module):
 
         Weights arrive as the layout computes them: jaxpar's step gathers the top-level ones before
         the call and each layer's slice of the stacked ones when the scan reads it."""
-        cfg = self.cfg
         x = ops.embed_lookup(self.embedding[...], tokens, RESIDUAL)
-        positions = jnp.arange(tokens.shape[1])
-
-        def layer(x, stacked_slice):
-            w = {name: var[...] for name, var in stacked_slice.items()}
-            return _block(x, w, cfg, positions), None
-
-        x, _ = jax.lax.scan(layer_checkpoint(layer, cfg.remat), x, nnx.state(self.layers))
-        h = regather(_rms_norm(x, self.final_norm[...], cfg.norm_eps), RESIDUAL, BLOCK)
-        if cfg.tie_embeddings:
-            logits = jnp.einsum("ble,ve->blv", h, self.embedding[...])
-        else:
-            logits = jnp.einsum("ble,ev->blv", h, self.unembedding[...])
-        return constrain(logits, ("batch", "length", "vocab"))
+        x = _layers(x, nnx.state(self.layers), self.cfg)
+        head = {"final_norm": self.final_norm[...], "embedding": self.embedding[...]}
+        if not self.cfg.tie_embeddings:
+            head["unembedding"] = self.unembedding[...]
+        return _logits(x, head, self.cfg)
 
 
 def loss_fn(model: Llama, tokens):
     """Next-token cross-entropy on (batch, length + 1) tokens."""
     logits = model(tokens[:, :-1])
-    return ops.cross_entropy(logits, tokens[:, 1:], ("batch", "length", "vocab"))
+    return ops.cross_entropy(logits, tokens[:, 1:], LOGITS)
+
+
+def pipeline_pieces(cfg: LlamaConfig):
+    """The Llama as the three pieces a pipeline runs on token batches (b, length + 1), for
+    ``jaxpar.parallel.pipeline.split_by_layer_stack``: ``first(edge, tokens)`` embeds,
+    ``stage(layers, x)`` runs a chunk of the stacked layers (an nnx.State), ``last(edge, x,
+    tokens)`` is the head and the next-token loss. ``edge`` maps the top-level weights' names to
+    their values as computed. The same code as ``Llama.__call__``."""
+
+    def first(edge, tokens):
+        return ops.embed_lookup(edge["embedding"], tokens[:, :-1], RESIDUAL)
+
+    def stage(layers, x):
+        return _layers(x, layers, cfg)
+
+    def last(edge, x, tokens):
+        return ops.cross_entropy(_logits(x, edge, cfg), tokens[:, 1:], LOGITS)
+
+    return first, stage, last
+
+
+def _layers(x, layers, cfg):
+    """The scanned transformer layers over the residual stream; ``layers``: the stacked weights."""
+    positions = jnp.arange(x.shape[1])
+
+    def layer(x, stacked_slice):
+        w = {name: var[...] for name, var in stacked_slice.items()}
+        return _block(x, w, cfg, positions), None
+
+    return jax.lax.scan(layer_checkpoint(layer, cfg.remat), x, layers)[0]
+
+
+def _logits(x, head, cfg):
+    h = enter_block(_rms_norm(x, head["final_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
+    if cfg.tie_embeddings:
+        logits = jnp.einsum("ble,ve->blv", h, head["embedding"])
+    else:
+        logits = jnp.einsum("ble,ev->blv", h, head["unembedding"])
+    return constrain(logits, LOGITS)
 
 
 def _rms_norm(x, scale, eps):
@@ -170,9 +201,9 @@ def _kv_for_local_heads(wk, wv, cfg, local_heads: int):
 
 
 def _block(x, w, cfg, positions):
-    h = regather(_rms_norm(x, w["attn_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
+    h = enter_block(_rms_norm(x, w["attn_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
     x = x + reduce_partial(_attention(h, w, cfg, positions), ("heads", "head_dim"), RESIDUAL)
-    h = regather(_rms_norm(x, w["mlp_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
+    h = enter_block(_rms_norm(x, w["mlp_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
     act = jax.nn.silu(jnp.einsum("ble,em->blm", h, w["w_gate"])) * jnp.einsum("ble,em->blm", h, w["w_up"])
     act = constrain(act, ("batch", "length", "mlp"))
     return x + reduce_partial(jnp.einsum("blm,me->ble", act, w["w_down"]), ("mlp",), RESIDUAL)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -49,12 +49,9 @@ from jax.sharding import PartitionSpec
 
 from flax import nnx
 
-from jaxpar import ops
 from jaxpar.errors import LayoutError
-from jaxpar.models import llama
 from jaxpar.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
-from jaxpar.rules import (Layout, constrain, gather_params, gathered, layer_checkpoint, logical_names, regather,
-                          use_layout, varying_axes)
+from jaxpar.rules import Layout, gather_layers_when_read, gathered, logical_names, use_layout, varying_axes
 
 STAGE_AXIS = "stage"
 
@@ -620,46 +617,48 @@ class SplitModel:
         return {**edge, self.stacked: stacked}
 
 
-def llama_pieces(cfg, abstract_state) -> SplitModel:
-    """``models.llama.Llama`` as first_fn (embedding), stage_fn (a chunk of its scanned layers) and
-    last_fn (final norm, output projection, next-token loss), on token batches (b, length + 1).
+def split_by_layer_stack(pieces, abstract_state, stacked: str = "layers") -> SplitModel:
+    """A model's pipeline pieces over its weights, split by its layer stack (``params[stacked]``).
 
-    ``abstract_state``: the model's abstract ``nnx.State`` (``train.step.abstract_model``), for the
-    weights' logical names. The pieces call the model's own layout-aware code, so they run on one
-    device, under an all-manual layout (FSDP gathers, TP sums) or with Auto axes alike. They use
-    ``llama._block`` and ``llama._rms_norm``; ``Llama.__call__`` repeats the same three steps."""
-    layers_abstract = abstract_state["layers"]
-    edge_abstract = {key: var for key, var in abstract_state.items() if key != "layers"}
-
-    def with_values(abstract, pure):
-        state = jax.tree.map(lambda v: v, abstract)
-        nnx.replace_by_pure_dict(state, pure)
-        return state
-
-    def edge_weight(edge, name):
-        return gathered(edge_abstract[name].replace(value=edge[name]))
+    ``pieces`` = ``(first(edge, tokens), stage(layers, x), last(edge, x, tokens))``, the model's
+    own code (e.g. ``models.llama.pipeline_pieces``); ``abstract_state`` its abstract ``nnx.State``
+    (``train.step.abstract_model``), for the weights' logical names. Here the edge weights are
+    handed over as computed (gathered when read), and each chunk of the stacked weights as an
+    nnx.State whose layer slices are gathered when the model's loop reads them, so the pieces run
+    on one device, under an all-manual layout (FSDP gathers, TP sums) or with Auto axes alike."""
+    first, stage, last = pieces
+    layers_abstract = abstract_state[stacked]
+    edge_abstract = {key: var for key, var in abstract_state.items() if key != stacked}
 
     def first_fn(edge, tokens):
-        return ops.embed_lookup(edge_weight(edge, "embedding"), tokens[:, :-1], llama.RESIDUAL)
+        return first(_EdgeWeights(edge_abstract, edge), tokens)
 
     def stage_fn(chunk, x):
-        positions = jnp.arange(x.shape[1])
-
-        def layer(x, stacked_slice):  # as in Llama.__call__
-            w = {name: var[...] for name, var in gather_params(stacked_slice).items()}
-            return llama._block(x, w, cfg, positions), None
-
-        return jax.lax.scan(layer_checkpoint(layer, cfg.remat), x, with_values(layers_abstract, chunk))[0]
+        state = jax.tree.map(lambda v: v, layers_abstract)
+        nnx.replace_by_pure_dict(state, chunk)
+        gather_layers_when_read(state)
+        return stage(state, x)
 
     def last_fn(edge, x, tokens):
-        h = regather(llama._rms_norm(x, edge_weight(edge, "final_norm"), cfg.norm_eps), llama.RESIDUAL, llama.BLOCK)
-        if cfg.tie_embeddings:
-            logits = jnp.einsum("ble,ve->blv", h, edge_weight(edge, "embedding"))
-        else:
-            logits = jnp.einsum("ble,ev->blv", h, edge_weight(edge, "unembedding"))
-        logits = constrain(logits, ("batch", "length", "vocab"))
-        return ops.cross_entropy(logits, tokens[:, 1:], ("batch", "length", "vocab"))
+        return last(_EdgeWeights(edge_abstract, edge), x, tokens)
 
     names = nnx.to_pure_dict(jax.tree.map(logical_names, abstract_state, is_leaf=lambda v: isinstance(v, nnx.Variable)))
-    return SplitModel(PipelineModel(first_fn, stage_fn, last_fn), "layers",
-                      (names["layers"], {key: n for key, n in names.items() if key != "layers"}))
+    return SplitModel(PipelineModel(first_fn, stage_fn, last_fn), stacked,
+                      (names[stacked], {key: n for key, n in names.items() if key != stacked}))
+
+
+class _EdgeWeights(Mapping):
+    """The edge weights by name, each gathered into its compute layout when read (a piece reads
+    only the ones it uses: the others are never gathered)."""
+
+    def __init__(self, abstract, values):
+        self._abstract, self._values = abstract, values
+
+    def __getitem__(self, name):
+        return gathered(self._abstract[name].replace(value=self._values[name]))
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self):
+        return len(self._values)

@@ -211,7 +211,7 @@ def build_trainer(run: RunConfig, topology: Topology):
     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
     train_cfg = dataclasses.replace(run.train, total_steps=run.steps)
     trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, train_cfg,
-                      pipeline=functools.partial(pipeline.llama_pieces, cfg))
+                      pipeline=functools.partial(pipeline.split_by_layer_stack, llama.pipeline_pieces(cfg)))
     check_state_fits(trainer, topology, f"{run.model} under {strategy}")
     return trainer, strategy, cfg
 

@@ -161,13 +161,14 @@ class Trainer:
 
     def _pipeline(self, pieces):
         """(model split into pipeline pieces, schedule, lowered program) when the mesh has a stage
-        axis; ``pieces(abstract_state)`` gives the split (``pipeline.llama_pieces``)."""
+        axis; ``pieces(abstract_state)`` gives the split (``pipeline.split_by_layer_stack``)."""
         stages = dict(self.layout.mesh.shape).get("stage", 1)
         if stages == 1:
             return None, None, None
         if pieces is None:
             raise LayoutError(f"stage={stages} runs the layers as a pipeline, but this model gives no pipeline pieces; "
-                              f"pass Trainer(..., pipeline=...) (e.g. functools.partial(pipeline.llama_pieces, cfg))")
+                              f"pass Trainer(..., pipeline=functools.partial(pipeline.split_by_layer_stack, pieces)) with the "
+                              f"model's (first, stage, last) pieces (e.g. models.llama.pipeline_pieces(cfg))")
         if self.grad_sync is not None:
             raise LayoutError(f"grad_sync={self.cfg.grad_sync!r} is not supported with a pipeline (stage={stages}) yet; use grad_sync='exact'")
         split = pieces(self.abstract)
@@ -292,7 +293,7 @@ class Trainer:
         """Decide (once) who places the collectives, from one abstract trace of the loss.
 
         ``manual`` when the model calls jaxpar's model-facing functions (``rules.reduce_partial``,
-        ``regather``, ``gather_params``, ``ops.cross_entropy``...): the step runs in one shard_map and
+        ``enter_block``, ``gather_params``, ``ops.cross_entropy``...): the step runs in one shard_map and
         every collective is placed on purpose, at the analytic optimum. ``gspmd`` when it makes no
         such call (a model written for plain Flax): XLA's partitioner places them (``gspmd.py``)."""
         if self._path_decided or self.cfg.path == "manual":
