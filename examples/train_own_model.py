@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxpar.parallel import build_layout, parse_strategy  # noqa: E402
-from jaxpar.rules import reduce_partial  # noqa: E402
+from jaxpar.nn import reduce_partial  # noqa: E402
 from jaxpar.train.step import TrainConfig, Trainer  # noqa: E402
 
 LAYOUTS = ("data=8", "fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2")

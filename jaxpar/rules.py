@@ -1,4 +1,5 @@
-"""Logical rules, layouts, and the few layout-aware calls a model makes.
+"""Logical rules and layouts, the active layout while a step is traced, and the framework's
+weight gathers (the calls a model makes are in ``jaxpar/nn.py``).
 
 A model names the dims of its weights and activations with *logical* axes (``batch``, ``embed``,
 ``mlp``...). A ``Layout`` is a mesh plus rules (logical axis -> mesh axes) in four mappings:
@@ -8,10 +9,11 @@ A model names the dims of its weights and activations with *logical* axes (``bat
 - ``optimizer``: how optimizer state is stored (ZeRO-1 and up shard it);
 - ``grad``: how the gradient accumulation buffer is kept (ZeRO-2 and up shard it).
 
-The training step runs the model inside one ``shard_map`` over every mesh axis ("manual" mode), so
-each collective is placed on purpose: a model never imports a mesh, it calls ``constrain``,
-``enter_block``, ``reduce_partial`` and ``gather_params`` with logical names, and the active layout
-turns those into collectives (or into nothing on one device).
+On jaxpar's manual path the training step runs the model inside one ``shard_map`` over every mesh
+axis, so each collective is placed on purpose: a model never imports a mesh, it calls
+``jaxpar.nn`` with logical names, and the active layout (``use_layout``) turns those calls into
+collectives (or into nothing on one device); the step gathers the weights (``gather_params``,
+``gather_layers_when_read``).
 """
 
 from __future__ import annotations
@@ -197,144 +199,11 @@ def use_layout(
         _ACTIVE.reset(token)
 
 
-def _check_rank(x, names):
-    if x.ndim != len(names):
-        raise LayoutError(f"array of shape {x.shape} was given {len(names)} logical names {tuple(names)}; give one per dim")
-
-
-def constrain(x, names: Names):
-    """Declare the compute layout of activation ``x`` by logical names."""
-    _check_rank(x, names)
-    _called("constrain")
-    active = _ACTIVE.get()
-    if active is None or active.manual:
-        return x  # on one device nothing to do; in manual mode x is already the local shard
-    return jax.lax.with_sharding_constraint(x, active.layout.sharding(names, shape=x.shape))
-
-
-def enter_block(x, src: Names, dst: Names):
-    """Move ``x`` from layout ``src`` to ``dst`` where ``dst`` shards less (e.g. the sequence-parallel
-    residual stream entering an attention or MLP block): all-gathers the dims that lose mesh axes.
-
-    In jaxpar's step, refuses an ``x`` that differs across a model-parallel mesh axis none of its
-    ``src`` dims is split over: it holds a partial sum that was never finished (see ``_unfinished``)."""
-    _check_rank(x, dst)
-    _called("enter_block")
-    active = _ACTIVE.get()
-    if active is None or not active.manual:
-        return constrain(x, dst)
-    layout = active.layout
-    _refuse_unfinished_sum(x, src, layout, "enter_block")
-    for dim, (s, d) in enumerate(zip(src, dst)):
-        lost = tuple(a for a in layout.axes_of(s) if a not in layout.axes_of(d))
-        if lost:
-            x = jax.lax.all_gather(x, lost, axis=dim, tiled=True)
-    # The block's work is split over every mesh axis; marking x as varying once here makes the
-    # backward pass sum x's gradient in one all-reduce (Megatron's f), not one per use of x.
-    split = tuple(a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1 and a not in varying_axes(x))
-    return jax.lax.pcast(x, split, to="varying") if split else x
-
-
-def _refuse_unfinished_sum(x, names: Names, layout: Layout, where: str):
-    """Raise if ``x`` (laid out as ``names``) varies over a model-parallel mesh axis (one some
-    logical axis other than the batch maps to) that none of its dims is split over.
-
-    Inside the manual step such a value can only be a sum over a logical axis sharded on that mesh
-    axis that nobody finished (a row-parallel matmul output without ``reduce_partial``): its shards
-    are partial sums, and a later sum over the same axis (a vocab-parallel loss) would hide it."""
-    model_axes = {a for name in layout.compute if name != "batch" for a in layout.axes_of(name)}
-    split = {a for name in names for a in layout.axes_of(name)}
-    unfinished = sorted((varying_axes(x) & model_axes) - split)
-    if unfinished:
-        origin = _origin(x, unfinished[0])
-        raise LayoutError(
-            f"the tensor entering {where} with logical names {tuple(names)} (shape {tuple(x.shape)}) differs across "
-            f"mesh axis {'/'.join(unfinished)}, over which none of its dims is split: it holds unfinished partial sums"
-            f"{f', made by {origin}' if origin else ''}. A sum over a logical axis sharded on {unfinished[0]!r} "
-            f"(a row-parallel matmul) was used without finishing it; wrap that sum in "
-            f"jaxpar.rules.reduce_partial(x, contracted_names, output_names)"
-        )
-
-
-def _origin(x, axis: str) -> str | None:
-    """Best effort: the op (primitive and source line) that first made ``x`` vary over ``axis``,
-    walking back through the ops that produced it. Reads JAX's tracing internals, so it gives up
-    quietly (None) when they differ."""
-    try:
-        from jax._src import source_info_util
-
-        node = x
-        for _ in range(64):
-            while hasattr(node, "primal"):  # under autodiff: the traced primal value
-                node = node.primal
-            eqn = getattr(node, "parent", None)
-            if eqn is None:
-                return None
-            if eqn.primitive.name in ("dot_general", "reduce_sum"):
-                return f"{eqn.primitive.name} at {source_info_util.summarize(eqn.source_info)}"
-            inputs = [t for t in eqn.in_tracers if hasattr(t, "aval") and axis in varying_axes(t)]
-            if not inputs or eqn.primitive.name == "pcast":
-                return None
-            node = inputs[-1]
-    except Exception:  # noqa: BLE001 - a hint in an error message must never raise itself
-        return None
-    return None
-
-
 def varying_axes(x) -> set[str]:
     """Manual mesh axes over which ``x`` differs from device to device (shard_map's type of x)."""
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)  # jax >= 0.10 keeps it here
     return set(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def reduce_partial(x, contracted: Sequence[str], dst: Names):
-    """``x`` holds partial sums because logical axes ``contracted`` were summed away while sharded
-    (a row-parallel matmul); finish the sum and lay the result out as ``dst``.
-
-    Reduce-scatters along a ``dst`` dim that the summed mesh axes shard (Megatron sequence
-    parallelism), all-reduces otherwise (Megatron tensor parallelism)."""
-    _check_rank(x, dst)
-    _called("reduce_partial")
-    active = _ACTIVE.get()
-    if active is None or not active.manual:
-        return constrain(x, dst)
-    layout = active.layout
-    pending = [a for name in contracted for a in layout.axes_of(name)]
-    for dim, name in enumerate(dst):
-        scatter = tuple(a for a in layout.axes_of(name) if a in pending)
-        if scatter:
-            x = jax.lax.psum_scatter(x, scatter, scatter_dimension=dim, tiled=True)
-            pending = [a for a in pending if a not in scatter]
-    return jax.lax.psum(x, tuple(pending)) if pending else x
-
-
-def shard_offset(names: Names, dim: int, local_size: int):
-    """Index of the first entry of this device's shard along logical dim ``names[dim]`` (0 on one device)."""
-    _called("shard_offset")
-    active = _ACTIVE.get()
-    if active is None or not active.manual:
-        return 0
-    index = 0
-    for axis in active.layout.axes_of(names[dim]):
-        index = index * active.layout.mesh.shape[axis] + jax.lax.axis_index(axis)
-    return index * local_size
-
-
-def sum_over(x, names: Names, dims: Sequence[int], op: str = "sum"):
-    """Reduce ``x`` (``op`` = sum or max) over ``dims``, across devices too where those dims are sharded."""
-    _called("sum_over")
-    local = jnp.sum(x, axis=tuple(dims)) if op == "sum" else jnp.max(x, axis=tuple(dims))
-    active = _ACTIVE.get()
-    if active is None or not active.manual:
-        return local
-    axes = tuple(a for d in dims for a in active.layout.axes_of(names[d]))
-    if not axes:
-        return local
-    return jax.lax.psum(local, axes) if op == "sum" else jax.lax.pmax(local, axes)
-
-
-# --- weights: gathered from their stored layout to the compute layout at use ----------------
 
 
 def logical_names(variable) -> tuple[str | None, ...] | None:
@@ -509,32 +378,3 @@ def gather_params(state):
         for (i, *_), value in zip(members, values):
             out[i] = leaves[i].replace(value=value)
     return jax.tree.unflatten(treedef, out)
-
-
-def layer_checkpoint(fn, remat: str = "none"):
-    """Wrap a layer body for ``jax.checkpoint`` by the model's remat choice and the layout's FSDP policy.
-
-    ``remat``: ``none`` keeps activations, ``full`` recomputes the layer, ``dots`` keeps only
-    matmul outputs. Gathered weights are kept for the backward pass unless the layout says
-    ``regather`` (then they are gathered again: 3 instead of 2 passes of weight traffic).
-    Only weights gathered inside the wrapped body (a scanned layer's) can be gathered again:
-    outside a loop XLA merges a recomputed gather with the forward one.
-    """
-    _called("layer_checkpoint")
-    active = _ACTIVE.get()
-    regather = active is not None and active.manual and active.layout.regather
-    cp = jax.checkpoint_policies
-    if remat == "none":
-        if not regather:
-            return fn
-        # keep matmul outputs; recompute the elementwise ops and the gathers (naming the gathered
-        # weights "not saveable" is not enough: autodiff may save the same value unnamed)
-        policy = cp.dots_saveable
-    elif remat == "full":
-        policy = cp.nothing_saveable if regather else cp.save_only_these_names(GATHERED)
-    elif remat == "dots":
-        dots = cp.dots_with_no_batch_dims_saveable
-        policy = dots if regather else cp.save_from_both_policies(dots, cp.save_only_these_names(GATHERED))
-    else:
-        raise LayoutError(f"remat policy {remat!r} is unknown; use none, full or dots")
-    return jax.checkpoint(fn, policy=policy, prevent_cse=False)

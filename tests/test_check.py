@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar import cli, ops
+from jaxpar import cli
 from jaxpar.errors import LayoutError
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
-from jaxpar.rules import enter_block, reduce_partial
+from jaxpar.nn import cross_entropy, embed_lookup, enter_block, reduce_partial
 from jaxpar.train.step import TrainConfig, Trainer
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (8, 17), dtype=np.int32)
@@ -52,7 +52,7 @@ class ManualModel(nnx.Module):
     def __call__(self, tokens):
         table = self.table[...]
         if self.lookup == "jaxpar":
-            x = ops.embed_lookup(table, tokens, NAMES)
+            x = embed_lookup(table, tokens, NAMES)
         elif self.lookup == "one-hot":  # the local shard's rows, as if they were the whole table
             x = jax.nn.one_hot(tokens, table.shape[0]) @ table
         else:  # what nnx.Embed does: a take from the table it holds
@@ -65,7 +65,7 @@ class ManualModel(nnx.Module):
 
 
 def manual_loss(model, tokens):
-    return ops.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], ("batch", "length", "vocab"))
+    return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], ("batch", "length", "vocab"))
 
 
 def manual_trainer(**kw):

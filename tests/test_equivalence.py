@@ -17,7 +17,7 @@ from flax import nnx
 from jaxpar.errors import LayoutError
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
-from jaxpar.rules import reduce_partial
+from jaxpar.nn import reduce_partial
 from jaxpar.train import data
 from jaxpar.train.step import TrainConfig, Trainer, make_optimizer
 

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar import ops
-from jaxpar.rules import constrain, enter_block, layer_checkpoint, reduce_partial, shard_offset
+from jaxpar.nn import constrain, cross_entropy, embed_lookup, enter_block, layer_checkpoint, reduce_partial, shard_offset
 
 # Activation layouts: the residual stream, and the inside of attention / MLP blocks.
 RESIDUAL = ("batch", "residual_length", "embed")
@@ -100,7 +99,7 @@ class Llama(nnx.Module):
 
         Weights arrive as the layout computes them: jaxpar's step gathers the top-level ones before
         the call and each layer's slice of the stacked ones when the scan reads it."""
-        x = ops.embed_lookup(self.embedding[...], tokens, RESIDUAL)
+        x = embed_lookup(self.embedding[...], tokens, RESIDUAL)
         x = _layers(x, nnx.state(self.layers), self.cfg)
         head = {"final_norm": self.final_norm[...], "embedding": self.embedding[...]}
         if not self.cfg.tie_embeddings:
@@ -111,7 +110,7 @@ class Llama(nnx.Module):
 def loss_fn(model: Llama, tokens):
     """Next-token cross-entropy on (batch, length + 1) tokens."""
     logits = model(tokens[:, :-1])
-    return ops.cross_entropy(logits, tokens[:, 1:], LOGITS)
+    return cross_entropy(logits, tokens[:, 1:], LOGITS)
 
 
 def pipeline_pieces(cfg: LlamaConfig):
@@ -122,24 +121,22 @@ def pipeline_pieces(cfg: LlamaConfig):
     their values as computed. The same code as ``Llama.__call__``."""
 
     def first(edge, tokens):
-        return ops.embed_lookup(edge["embedding"], tokens[:, :-1], RESIDUAL)
+        return embed_lookup(edge["embedding"], tokens[:, :-1], RESIDUAL)
 
     def stage(layers, x):
         return _layers(x, layers, cfg)
 
     def last(edge, x, tokens):
-        return ops.cross_entropy(_logits(x, edge, cfg), tokens[:, 1:], LOGITS)
+        return cross_entropy(_logits(x, edge, cfg), tokens[:, 1:], LOGITS)
 
     return first, stage, last
 
 
 def _layers(x, layers, cfg):
     """The scanned transformer layers over the residual stream; ``layers``: the stacked weights."""
-    positions = jnp.arange(x.shape[1])
-
     def layer(x, stacked_slice):
         w = {name: var[...] for name, var in stacked_slice.items()}
-        return _block(x, w, cfg, positions), None
+        return _block(x, w, cfg), None
 
     return jax.lax.scan(layer_checkpoint(layer, cfg.remat), x, layers)[0]
 
@@ -200,8 +197,9 @@ def _kv_for_local_heads(wk, wv, cfg, local_heads: int):
     return (jax.lax.dynamic_slice_in_dim(wk, first, count, axis=1), jax.lax.dynamic_slice_in_dim(wv, first, count, axis=1))
 
 
-def _block(x, w, cfg, positions):
+def _block(x, w, cfg):
     h = enter_block(_rms_norm(x, w["attn_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
+    positions = jnp.arange(h.shape[1])  # the whole sequence: under SP the residual x holds a slice of it
     x = x + reduce_partial(_attention(h, w, cfg, positions), ("heads", "head_dim"), RESIDUAL)
     h = enter_block(_rms_norm(x, w["mlp_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
     act = jax.nn.silu(jnp.einsum("ble,em->blm", h, w["w_gate"])) * jnp.einsum("ble,em->blm", h, w["w_up"])

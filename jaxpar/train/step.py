@@ -292,8 +292,8 @@ class Trainer:
     def choose_path(self, params, batch):
         """Decide (once) who places the collectives, from one abstract trace of the loss.
 
-        ``manual`` when the model calls jaxpar's model-facing functions (``rules.reduce_partial``,
-        ``enter_block``, ``gather_params``, ``ops.cross_entropy``...): the step runs in one shard_map and
+        ``manual`` when the model calls jaxpar's model-facing functions (``jaxpar.nn``:
+        ``reduce_partial``, ``enter_block``, ``cross_entropy``...): the step runs in one shard_map and
         every collective is placed on purpose, at the analytic optimum. ``gspmd`` when it makes no
         such call (a model written for plain Flax): XLA's partitioner places them (``gspmd.py``)."""
         if self._path_decided or self.cfg.path == "manual":
@@ -342,7 +342,7 @@ class Trainer:
         asked = [what for what, on in manual_only.items() if on]
         if asked:
             raise LayoutError(f"{' and '.join(asked)} needs jaxpar's manual step, but {self.path_reason}. "
-                              f"Write the model with jaxpar's model-facing calls (jaxpar.rules, jaxpar.ops), or drop {asked[0]}")
+                              f"Write the model with jaxpar's model-facing calls (jaxpar.nn), or drop {asked[0]}")
 
     def _reduction_plan(self, path):
         """Per weight: mesh axes reduced by the gather's backward, per micro-batch, and at the end."""
@@ -431,7 +431,7 @@ class Trainer:
             raise LayoutError(
                 f"the loss still differs across mesh axes {unfinished}: the model sums over a logical axis "
                 f"sharded on them without finishing the sum. Mark such sums (row-parallel matmul outputs) "
-                f"with jaxpar.rules.reduce_partial(x, contracted_names, output_names)"
+                f"with jaxpar.nn.reduce_partial(x, contracted_names, output_names)"
             )
         return loss, reduce(acc, "final")
 
@@ -661,7 +661,7 @@ def _manual_errors():
         raise LayoutError(
             "the model sets a sharding of its own (out_sharding= or jax.lax.with_sharding_constraint) inside jaxpar's "
             "manual step, where every mesh axis is manual and such annotations cannot apply. Use "
-            "jaxpar.rules.constrain(x, logical_names) there, or write the model without jaxpar's model-facing calls so "
+            "jaxpar.nn.constrain(x, logical_names) there, or write the model without jaxpar's model-facing calls so "
             f"that the GSPMD path takes it (TrainConfig(path='gspmd')). JAX said: {str(error).splitlines()[0]}"
         ) from error
 
