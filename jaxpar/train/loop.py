@@ -342,9 +342,10 @@ def run_training(
     report_progress("evaluating", done)
 
     held_out_loss = None
-    if not stop.name:  # an interrupted run stops here, without compiling the evaluation
-        eval_fn = jax.jit(trainer.grad_fn())
-        held_out_loss = _scalar(eval_fn(state.params, batch_of(held_out, 0))[0])
+    if not stop.name:  # an interrupted run stops here, without the evaluation
+        # the compiled step's loss is the loss at the weights it is given (before its update): one
+        # more call of it on a held-out batch, whose updated state is dropped, costs no compile
+        held_out_loss = _scalar(compiled(state, batch_of(held_out, 0))[1]["loss"])
     steady = times[1:] or times or [float("nan")]
     tokens_per_s = run.batch_size * run.seq_len / float(np.median(steady))
     analysis = analyze(trainer, compiled, strategy, cfg, (run.batch_size, run.seq_len)) if analyze else {}
