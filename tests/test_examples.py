@@ -51,10 +51,10 @@ EXAMPLES = [
                  "the loss fell from", id="mpmd_pipeline"),
     pytest.param("pipedream.py", ["--microbatches", "4", "--seq-len", "8"], "largest difference from the simulation",
                  id="pipedream"),
-    # 30 steps take the loss from 6 to about 3: enough for a biased or too coarse compression to
+    # 20 steps take the loss from 6 to about 3.5: enough for a biased or too coarse compression to
     # leave exact sync's curve by more than the 1% the example allows (BENCHMARKS.md has 300 steps);
     # int8 is left out here (test_grad_sync checks it is the naive 8-bit quantizer)
-    pytest.param("compressed_grad_sync.py", ["--steps", "30", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "5",
+    pytest.param("compressed_grad_sync.py", ["--steps", "20", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "5",
                                              "--syncs", "exact", "dynamiq"],
                  "dynamiq trains like exact sync", id="compressed_grad_sync"),
     pytest.param("survive_a_failure.py", ["--steps", "6", "--checkpoint-every", "2", "--kill-at", "3", "--more-steps", "2",

@@ -24,9 +24,11 @@ def test_wheel_installs_and_trains_from_any_directory(tmp_path):
                    check=True, cwd=tmp_path)
     (wheel,) = wheels.glob("jaxpar-*.whl")
     env_dir = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
     python = env_dir / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
+    # this environment's pip installs into the new one (no pip of its own to bootstrap there)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+                   check=True)
     # jaxpar's dependencies come from this environment's site-packages (a .pth line adds the
     # directory only: this environment's editable jaxpar is not on the new one's path)
     new_site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
