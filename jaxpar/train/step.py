@@ -611,9 +611,9 @@ class Trainer:
         if self._step is None:
             self.check_batch(batch)
             self._step = self.jit_step(batch)
-        number = int(state.step) + 1  # counted from 1, as the training loop reports steps
         state, metrics = self._step(state, batch)
         if self.cfg.nonfinite == "stop" and not bool(metrics["finite"]):
+            number = int(state.step)  # the step just taken, counted from 1 as the training loop does
             raise NonFiniteStep(nonfinite_message(number, float(metrics["loss"]), float(metrics["grad_norm"])),
                                 number, state, metrics)
         return state, metrics
