@@ -36,7 +36,7 @@ def main():
     kind = jax.devices()[0].device_kind
     topology = load_topology(args.topology or ("gpu-h200-1" if "H200" in kind else "gpu-h100-1"))
     run = RunConfig(model=args.model, strategy="data=1", steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                    remat=args.remat, train=TrainConfig(compute_dtype="bfloat16"))
+                    train=TrainConfig(compute_dtype="bfloat16", remat=args.remat))
     trainer, _, cfg = build_trainer(run, topology)
     started = time.perf_counter()
     state = trainer.init(0)

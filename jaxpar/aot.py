@@ -74,7 +74,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     name = model if isinstance(model, str) else "the model"
     check_at_least("--batch-size", batch_size, 1)
     check_at_least("--seq-len", seq_len, 1)
-    cfg = model if isinstance(model, llama.LlamaConfig) else model_config(model, remat)
+    cfg = model if isinstance(model, llama.LlamaConfig) else model_config(model)
     check_fits_fully_sharded(cfg.num_params(), topology, name)
     strategy = parse_strategy(strategy_text, topology.num_chips)  # before the (slow) TPU compiler is loaded
     check_model_axes(strategy, name)
@@ -82,7 +82,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     n = len(target.devices)
     _, dcn = split_ici_dcn(strategy.spec, topology.num_slices)
     layout = build_layout(strategy, target.devices, num_slices=topology.num_slices)
-    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, TrainConfig(compute_dtype=compute_dtype))
+    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, TrainConfig(compute_dtype=compute_dtype, remat=remat))
     trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"))
     batch = trainer.abstract_batch(batch_size, seq_len)
     try:
@@ -104,7 +104,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     cols = hlo.collectives(compiled.as_text(), layout.mesh, dcn_axes, topology.num_slices)
     rows = [(c.kind, c.bytes_per_step, any(dcn[a] > 1 for a in c.mesh_axes)) for c in cols]
     model_flops = cfg.flops_per_token(seq_len) * batch_size * seq_len
-    estimate = roofline.estimate(model_flops, rows, topology, n, roofline.RECOMPUTE[cfg.remat])
+    estimate = roofline.estimate(model_flops, rows, topology, n, roofline.RECOMPUTE[remat])
     cost = compiled.cost_analysis() or {}
     by_link = {}
     for c, (_, sent, crosses) in zip(cols, rows):
@@ -181,7 +181,7 @@ def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int
                 continue
             sent = traffic.optimal_traffic_by_axis(candidate, strategy, (batch_size, seq_len), cfg)
             rows = [(kind, b, dcn[axis] > 1) for (kind, axis), b in sent.items()]
-            est = roofline.estimate(flops, rows, topology, n, roofline.RECOMPUTE[cfg.remat])
+            est = roofline.estimate(flops, rows, topology, n, roofline.RECOMPUTE[trainer.cfg.remat])
             ranked.append({"strategy": str(strategy), "step_s": est.step_s, "comm_s": est.comm_s, "mfu": est.mfu, "state_bytes_per_chip": state})
     # ties (compute-bound steps) go to less communication, then to less memory
     ranked.sort(key=lambda r: (round(r["step_s"], 9), r["comm_s"], r["state_bytes_per_chip"]))

@@ -258,9 +258,9 @@ def _train(args) -> int:
     pipeline_flags = {k: v for k, v in (("schedule", args.schedule), ("chunks", args.chunks)) if v is not None}
     run = RunConfig(
         model=args.model, strategy=args.strategy, steps=args.steps, batch_size=args.batch_size,
-        seq_len=args.seq_len, seed=args.seed, remat=args.remat, explicit=frozenset(pipeline_flags),
+        seq_len=args.seq_len, seed=args.seed, explicit=frozenset(pipeline_flags),
         train=TrainConfig(
-            learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, microbatches=args.microbatches, **pipeline_flags,
+            learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, remat=args.remat, microbatches=args.microbatches, **pipeline_flags,
             compute_dtype=args.compute_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
             nonfinite="skip" if args.skip_nonfinite else "stop", grad_sync=args.grad_sync, grad_sync_bits=args.grad_sync_bits,
             grad_sync_axes=None if args.grad_sync_axes is None else tuple(filter(None, (a.strip() for a in args.grad_sync_axes.split(",")))),

@@ -8,8 +8,10 @@ path instead (``train/gspmd.py``), where XLA places the collectives.
 - ``reduce_partial(x, contracted, dst)``: finish a sum over a sharded logical axis (a row-parallel
   matmul; Megatron's g: all-reduce, or reduce-scatter under SP);
 - ``shard_offset``, ``sum_over``: this device's index into a sharded dim, and sums across it;
-- ``embed_lookup``, ``cross_entropy``: vocab-parallel embedding and next-token loss;
-- ``layer_checkpoint(fn, remat)``: a layer body's remat, combined with the layout's FSDP policy.
+- ``embed_lookup``, ``cross_entropy``: vocab-parallel embedding and next-token loss.
+
+Per-layer gathers and remat need no call: the step does them (``rules.gather_layers_when_read``,
+``train/remat.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.errors import LayoutError
-from jaxpar.rules import _ACTIVE, GATHERED, Layout, Names, _called, varying_axes
+from jaxpar.rules import _ACTIVE, Layout, Names, _called, varying_axes
 
 
 def _check_rank(x, names):
@@ -178,32 +180,3 @@ def cross_entropy(logits, targets, names: Names = ("batch", "length", "vocab")):
     hit = jax.nn.one_hot(targets - offset, logits.shape[vocab_dim], dtype=logits.dtype)
     picked = sum_over(shifted * hit, names, [vocab_dim])
     return jnp.mean(log_total - picked)
-
-
-def layer_checkpoint(fn, remat: str = "none"):
-    """Wrap a layer body for ``jax.checkpoint`` by the model's remat choice and the layout's FSDP policy.
-
-    ``remat``: ``none`` keeps activations, ``full`` recomputes the layer, ``dots`` keeps only
-    matmul outputs. Gathered weights are kept for the backward pass unless the layout says
-    ``regather`` (then they are gathered again: 3 instead of 2 passes of weight traffic).
-    Only weights gathered inside the wrapped body (a scanned layer's) can be gathered again:
-    outside a loop XLA merges a recomputed gather with the forward one.
-    """
-    _called("layer_checkpoint")
-    active = _ACTIVE.get()
-    regather = active is not None and active.manual and active.layout.regather
-    cp = jax.checkpoint_policies
-    if remat == "none":
-        if not regather:
-            return fn
-        # keep matmul outputs; recompute the elementwise ops and the gathers (naming the gathered
-        # weights "not saveable" is not enough: autodiff may save the same value unnamed)
-        policy = cp.dots_saveable
-    elif remat == "full":
-        policy = cp.nothing_saveable if regather else cp.save_only_these_names(GATHERED)
-    elif remat == "dots":
-        dots = cp.dots_with_no_batch_dims_saveable
-        policy = dots if regather else cp.save_from_both_policies(dots, cp.save_only_these_names(GATHERED))
-    else:
-        raise LayoutError(f"remat policy {remat!r} is unknown; use none, full or dots")
-    return jax.checkpoint(fn, policy=policy, prevent_cse=False)

@@ -2,6 +2,7 @@
 user writes one (nnx.Linear, nnx.Embed, nnx.RMSNorm, tied embeddings, jax.nn.dot_product_attention,
 an optax loss, out_sharding on one activation, no jaxpar import) takes jaxpar's GSPMD path and equals
 one device; its variant with layers stacked by nnx.vmap / nnx.scan gathers one layer at a time."""
+import dataclasses
 import functools
 
 import jax
@@ -159,6 +160,24 @@ def test_stacked_layers_are_gathered_one_at_a_time():
     gathers = [c for c in hlo.collectives(text, trainer.layout.mesh) if c.kind == "all-gather"]
     # each layer's weights are gathered inside the compiled layer loop: executed once per layer
     assert any(c.executions == 2 for c in gathers), [(c.executions, c.operand_bytes) for c in gathers]
+
+
+def test_the_framework_recomputes_each_layer_of_a_stacked_model():
+    # remat=full: jaxpar checkpoints each iteration of the model's own nnx.scan, so the step keeps
+    # less for the backward pass (compiled memory analysis) and computes the same gradient. (One
+    # device: the checkpoint is placed the same way under any layout; test_equivalence runs it sharded.)
+    model_fn = lambda rngs: UserModel(rngs=rngs, layers=4, stacked=True, out_sharding=False)  # noqa: E731
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (8, 65), 0, 64))
+    temp, norm = {}, {}
+    for remat in ("none", "full"):
+        layout = build_layout(parse_strategy("data=1", 1), jax.devices()[:1], aliases=ALIASES)
+        trainer = Trainer(layout, model_fn, user_loss, dataclasses.replace(CFG, remat=remat), optimizer=OPTIMIZER)
+        state, batch = trainer.init(seed=0), trainer.put_batch(tokens)
+        compiled = trainer.jit_step(batch).lower(state, batch).compile()
+        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+        norm[remat] = float(compiled(state, batch)[1]["grad_norm"])
+    assert trainer.path == "gspmd" and temp["full"] < 0.7 * temp["none"], temp
+    assert norm["full"] == pytest.approx(norm["none"], rel=1e-6)
 
 
 def test_a_non_finite_step_raises_naming_it_and_keeps_the_state():

@@ -31,8 +31,8 @@ def sharding_table(model: str, topology_name: str, strategy_text: str) -> dict:
     devices = aot.tpu_devices(topology)
     strategy = parse_strategy(strategy_text, len(devices))
     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
-    cfg = model_config(model, "full")
-    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, TrainConfig(compute_dtype="bfloat16"))
+    cfg = model_config(model)
+    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, TrainConfig(compute_dtype="bfloat16", remat="full"))
     batch = trainer.abstract_batch(BATCH, SEQ)
     trainer.jit_step(batch).lower(trainer.abstract_state(), batch)  # the step must lower with them
     weights = {}

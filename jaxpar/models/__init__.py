@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from jaxpar.errors import JaxparError
 from jaxpar.models import llama
 
 
-def model_config(name: str, remat: str = "none") -> llama.LlamaConfig:
-    """The config of the model called ``name`` (``tiny``, ``llama2-7b``, ``llama3-8b``...), with
-    ``remat`` (none, full, dots) set; an unknown name is refused with the known ones."""
+def model_config(name: str) -> llama.LlamaConfig:
+    """The config of the model called ``name`` (``tiny``, ``llama2-7b``, ``llama3-8b``...); an
+    unknown name is refused with the known ones."""
     if name not in llama.CONFIGS:
         raise JaxparError(f"unknown model {name!r}; choose one of {', '.join(llama.CONFIGS)}")
-    return dataclasses.replace(llama.CONFIGS[name], remat=remat)
+    return llama.CONFIGS[name]

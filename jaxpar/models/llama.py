@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.nn import constrain, cross_entropy, embed_lookup, enter_block, layer_checkpoint, reduce_partial, shard_offset
+from jaxpar.nn import constrain, cross_entropy, embed_lookup, enter_block, reduce_partial, shard_offset
 
 # Activation layouts: the residual stream, and the inside of attention / MLP blocks.
 RESIDUAL = ("batch", "residual_length", "embed")
@@ -33,7 +33,6 @@ class LlamaConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    remat: str = "none"  # none | full | dots: what the backward pass recomputes
 
     def num_params(self) -> int:
         e, h, k, d, m = self.embed, self.heads, self.kv_heads, self.head_dim, self.mlp
@@ -133,12 +132,14 @@ def pipeline_pieces(cfg: LlamaConfig):
 
 
 def _layers(x, layers, cfg):
-    """The scanned transformer layers over the residual stream; ``layers``: the stacked weights."""
+    """The scanned transformer layers over the residual stream; ``layers``: the stacked weights.
+    (jaxpar's step gathers each layer's weights when the body reads them, and checkpoints the
+    body by the run's remat policy: ``jaxpar.train.remat``.)"""
     def layer(x, stacked_slice):
         w = {name: var[...] for name, var in stacked_slice.items()}
         return _block(x, w, cfg), None
 
-    return jax.lax.scan(layer_checkpoint(layer, cfg.remat), x, layers)[0]
+    return jax.lax.scan(layer, x, layers)[0]
 
 
 def _logits(x, head, cfg):

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxpar.rules import gather_layers_when_read, use_layout
+from jaxpar.train import remat
 
 AUTO_AXIS_ERROR = "of type Auto"  # JAX's words when out_sharding names an axis that is not explicit
 
@@ -72,7 +73,7 @@ def grads_fn(trainer, explicit: bool):
             return trainer.loss_fn(nnx.merge(trainer.graphdef, state), micro_batch)
 
     def value_and_grad(params, micro_batch):
-        fn = jax.value_and_grad(objective)
+        fn = jax.value_and_grad(remat.checkpoint_layer_loops(objective, trainer.remat_policy, trainer.stacked_marks()))
         if explicit:  # weights gathered over the explicit axes; the batch typed as split over all of them
             axes = explicit_axes_of(layout)  # (degree-1 axes too: the same rows, and the model's own spelling)
             replicated = jax.tree.map(lambda _: PartitionSpec(), params)

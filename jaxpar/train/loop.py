@@ -41,7 +41,6 @@ class RunConfig:
     batch_size: int = 16
     seq_len: int = 128
     seed: int = 0
-    remat: str = "none"
     train: TrainConfig = TrainConfig()
     # TrainConfig fields set on purpose even where they equal the default (the CLI's flags): like
     # any other non-default value, they are refused when the layout would ignore them
@@ -202,7 +201,7 @@ def build_trainer(run: RunConfig, topology: Topology):
     """(Trainer, parsed strategy, model config) of a run: its Llama under its strategy on the
     topology's devices. Nothing is allocated; a state that cannot fit in the topology's memory, a
     mesh axis the model cannot use and options the layout would ignore are refused first."""
-    cfg = model_config(run.model, run.remat)
+    cfg = model_config(run.model)
     check_fits_fully_sharded(cfg.num_params(), topology, run.model)
     devices = devices_for(topology)
     strategy = parse_strategy(run.strategy, len(devices))

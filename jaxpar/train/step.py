@@ -39,7 +39,7 @@ from jaxpar.parallel import schedules
 from jaxpar.rules import (Layout, gather_layers_when_read, gather_params, gather_plan, logical_names, record_model_calls, use_layout,
                           varying_axes)
 from jaxpar.train import check as check_lib
-from jaxpar.train import grad_sync, gspmd
+from jaxpar.train import grad_sync, gspmd, remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,7 @@ class TrainConfig:
     grad_sync_min_size: int = 4096  # values per device below which a compressed reduction stays exact
     schedule: str = "1f1b"  # pipeline schedule when the mesh has stage > 1 (parallel/schedules.py)
     chunks: int = 1  # layer chunks per stage (interleaved-1f1b: virtual stages per device)
+    remat: str = "none"  # none | full | dots: what the backward pass recomputes per layer (remat.py)
     path: str = "auto"  # auto | manual | gspmd: who places the collectives (see Trainer.path_reason)
     nonfinite: str = "stop"  # stop | skip: a step whose loss or gradient is NaN/inf raises, or is skipped
 
@@ -126,6 +127,8 @@ class Trainer:
         self._explicit = False  # GSPMD path: the model needs explicit mesh axes (its own out_sharding)
         self._path_decided = False
         self.optimizer = optimizer or make_optimizer(cfg)
+        # each layer loop's checkpoint policy (None: no checkpoint); refuses an unknown cfg.remat
+        self.remat_policy = remat.policy(cfg.remat, layout.regather)
         self.pipeline_pieces = pipeline
         self.graphdef, self.abstract = abstract_model(model_fn)
         flat = self._flat_abstract = _paths(self.abstract)
@@ -172,6 +175,8 @@ class Trainer:
         if self.grad_sync is not None:
             raise LayoutError(f"grad_sync={self.cfg.grad_sync!r} is not supported with a pipeline (stage={stages}) yet; use grad_sync='exact'")
         split = pieces(self.abstract)
+        stage = remat.checkpoint_layer_loops(split.pieces.stage_fn, self.remat_policy, True)
+        split = dataclasses.replace(split, pieces=dataclasses.replace(split.pieces, stage_fn=stage))
         schedule = schedules.make(self.cfg.schedule, stages, self.cfg.microbatches, self.cfg.chunks)
         if schedule.asynchronous:
             raise LayoutError(f"schedule {self.cfg.schedule!r} updates each stage's weights after every micro-batch, "
@@ -344,6 +349,10 @@ class Trainer:
             raise LayoutError(f"{' and '.join(asked)} needs jaxpar's manual step, but {self.path_reason}. "
                               f"Write the model with jaxpar's model-facing calls (jaxpar.nn), or drop {asked[0]}")
 
+    def stacked_marks(self):
+        """A tree like the params, True at the stacked layer weights (logical axis ``layers``)."""
+        return _nest({p: "layers" in names for p, names in self.names.items()})
+
     def _reduction_plan(self, path):
         """Per weight: mesh axes reduced by the gather's backward, per micro-batch, and at the end."""
         layout, names = self.layout, self.names[path]
@@ -381,10 +390,12 @@ class Trainer:
         varying = _nest({p: to_varying(v) for p, v in flat_params.items()})
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
-        def objective(p, mb):
+        def loss(p, mb):
             state = gather_params(self._with_values(p))  # the top-level weights, whole
             gather_layers_when_read(state)  # stacked ones, one layer at a time in the model's loop
             return self.loss_fn(nnx.merge(self.graphdef, state), mb) / shards
+
+        objective = remat.checkpoint_layer_loops(loss, self.remat_policy, self.stacked_marks())
 
         def reduce(grads, which):
             if sync is not None and (which == "final" or k == 1):  # with k > 1 the per-micro-batch ones stay exact
