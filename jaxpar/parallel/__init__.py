@@ -18,7 +18,7 @@ Each strategy is one module of this package and holds everything it is:
 - ``check(strategy)``: refuse degrees and options that cannot work, before any device is used;
 - ``rules(strategy, compute, stored)``: its part of the mappings (the stored mappings start from
   the compute mapping of every weight axis, so a strategy adds to ``stored`` only what is stored
-  split more than it is computed); the gradient reductions follow from these (``train/step.py``);
+  split more than it is computed); the gradient reductions follow from these (``train/reductions.py``);
 - ``traffic(strategy, ctx)``: its analytic optimum, ``{(collective kind, mesh axis): bytes}`` per
   device per step (``analysis/traffic.py`` gives ``ctx``);
 - ``memory(strategy, mesh_shape)``: ``{state kind: ways it is split}`` for the ZeRO table.

@@ -622,7 +622,7 @@ def split_by_layer_stack(pieces, abstract_state, stacked: str = "layers") -> Spl
 
     ``pieces`` = ``(first(edge, tokens), stage(layers, x), last(edge, x, tokens))``, the model's
     own code (e.g. ``models.llama.pipeline_pieces``); ``abstract_state`` its abstract ``nnx.State``
-    (``train.step.abstract_model``), for the weights' logical names. Here the edge weights are
+    (``train.state.abstract_model``), for the weights' logical names. Here the edge weights are
     handed over as computed (gathered when read), and each chunk of the stacked weights as an
     nnx.State whose layer slices are gathered when the model's loop reads them, so the pieces run
     on one device, under an all-manual layout (FSDP gathers, TP sums) or with Auto axes alike."""

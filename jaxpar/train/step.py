@@ -1,30 +1,26 @@
-"""Sharded training state and the jitted training step, for any Flax NNX model with logical names.
+"""The jitted training step, for any Flax NNX model with logical names: ``Trainer`` composes the
+parts of ``train/`` and chooses who places the collectives.
 
-The gradient is computed inside one ``shard_map`` over every mesh axis: each device runs the model
-on its slice of the batch with its weights gathered per the layout (``rules.gather_params``), and
-the gradient is reduced by hand, so every collective is the one the strategy calls for:
-
-- axes the weights are stored sharded over (FSDP): reduce-scatter, the backward of the gather;
-- axes the gradient accumulation buffer is sharded over (ZeRO-2): reduce-scatter per micro-batch;
-- axes the optimizer state is sharded over (ZeRO-1): one reduce-scatter at the end;
-- the remaining batch axes (DP, HSDP across groups): all-reduce.
-
-``TrainConfig.grad_sync`` may compress these reductions on the wire (``grad_sync.py``): those over
-a compressed axis are then bucketed (the gradients that share a reduction are summed as one flat
-float32 vector), and the all-reduces, whose results the shard_map's type checks cannot see are the
-same on every device, run in a second, unchecked shard_map together with the clipping.
+On the manual path the gradient is computed inside one ``shard_map`` over every mesh axis: each
+device runs the model on its slice of the batch with its weights gathered per the layout
+(``rules.gather_params``), accumulates over micro-batches (``accumulate.py``), and the gradient is
+reduced by hand, so every collective is the one the strategy calls for (``reductions.py``). Under
+a compressed ``TrainConfig.grad_sync`` (``grad_sync.py``), the all-reduces over a compressed axis,
+whose results the shard_map's type checks cannot see are the same on every device, run in a
+second, unchecked shard_map together with the clipping. On the GSPMD path (``gspmd.py``) XLA's
+partitioner places them.
 
 The optimizer update then runs on the stored shards (optax, outside the shard_map); where weights
 are stored whole but updated in shards (ZeRO-1/2), XLA all-gathers the updated weights.
+
+The other parts: ``state.py`` (the state, its layout checks, specs, shardings and initialisers),
+``placement.py`` (where batches go).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +32,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel import schedules
-from jaxpar.rules import (Layout, gather_layers_when_read, gather_params, gather_plan, logical_names, record_model_calls, use_layout,
-                          varying_axes)
+from jaxpar.rules import Layout, gather_layers_when_read, gather_params, record_model_calls, use_layout, varying_axes
 from jaxpar.train import check as check_lib
-from jaxpar.train import grad_sync, gspmd, remat
+from jaxpar.train import grad_sync, gspmd, reductions, remat
+from jaxpar.train.accumulate import accumulate, accumulator_bytes, local_microbatches
+from jaxpar.train.placement import BatchPlacement
+from jaxpar.train.state import ShardedState, TrainState, abstract_model, flatten, make_optimizer, nest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,41 +68,18 @@ PATHS = ("auto", "manual", "gspmd")
 NONFINITE = ("stop", "skip")
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and cosine decay to 10%. (Clipping by the global gradient norm,
-    ``cfg.clip_norm``, is done by the step itself, where the gradient shards are reduced.)"""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1), cfg.learning_rate * 0.1
-    )
-    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+class _Part:
+    """A ``Trainer`` attribute that one of its parts holds: ``names = _Part("sharded_state")``
+    reads ``trainer.sharded_state.names`` (``_Part(part, name)``: under another name there)."""
 
+    def __init__(self, part: str, name: str | None = None):
+        self.part, self.name = part, name
 
-class TrainState(NamedTuple):
-    params: Any  # pure dict of arrays, shaped like the model's nnx.State
-    opt_state: Any
-    step: jax.Array
+    def __set_name__(self, owner, name):
+        self.name = self.name or name
 
-
-def abstract_model(model_fn: Callable[[nnx.Rngs], nnx.Module]):
-    """(graphdef, abstract nnx.State) of the model: shapes and logical names, no memory."""
-    with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
-    return nnx.split(model)
-
-
-def _paths(state) -> dict:
-    """Pure dict path -> Variable, for walking weights with their names."""
-    return {path: var for path, var in nnx.to_flat_state(state)}
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out
+    def __get__(self, trainer, owner=None):
+        return self if trainer is None else getattr(getattr(trainer, self.part), self.name)
 
 
 class Trainer:
@@ -114,6 +89,31 @@ class Trainer:
     equal slice of the batch, so the mean of the slices' means is the global mean. ``batch`` is an
     array (or a pytree of arrays) whose dim 0 is the batch.
     """
+
+    # what the layout makes of the weights (state.py)
+    graphdef = _Part("sharded_state")
+    abstract = _Part("sharded_state")
+    names = _Part("sharded_state")  # path -> logical names as laid out (replicated short dims unnamed)
+    written_names = _Part("sharded_state")  # path -> logical names as the model wrote them
+    param_specs = _Part("sharded_state")
+    opt_specs = _Part("sharded_state")
+    opt_specs_by_param = _Part("sharded_state")
+    grad_specs_by_param = _Part("sharded_state")
+    state_shardings = _Part("sharded_state")
+    init = _Part("sharded_state")
+    init_programs = _Part("sharded_state")
+    abstract_state = _Part("sharded_state")
+    init_shapes = _Part("sharded_state")
+    abstract_leaf = _Part("sharded_state")
+    merge = _Part("sharded_state")
+    _with_values = _Part("sharded_state", "with_values")
+    stacked_marks = _Part("sharded_state")
+    # where batches go (placement.py)
+    batch_sharding = _Part("placement", "sharding")
+    abstract_batch = _Part("placement", "abstract")
+    check_batch = _Part("placement", "check")
+    put_batch = _Part("placement", "put")
+    put_process_batch = _Part("placement", "put_process")
 
     def __init__(self, layout: Layout, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(), optimizer=None, pipeline=None):
         self.layout, self.model_fn, self.loss_fn, self.cfg = layout, model_fn, loss_fn, cfg
@@ -130,36 +130,15 @@ class Trainer:
         # each layer loop's checkpoint policy (None: no checkpoint); refuses an unknown cfg.remat
         self.remat_policy = remat.policy(cfg.remat, layout.regather)
         self.pipeline_pieces = pipeline
-        self.graphdef, self.abstract = abstract_model(model_fn)
-        flat = self._flat_abstract = _paths(self.abstract)
-        self.names, self.written_names = {}, {}
-        for path, var in flat.items():
-            value = var.get_value()
-            names = logical_names(var) or (None,) * value.ndim
-            if len(names) != value.ndim:
-                raise LayoutError(f"weight {'/'.join(map(str, path))} has shape {value.shape} but {len(names)} logical names {names}")
-            self.written_names[path] = names
-            self.names[path] = layout.effective_names(names, value.shape)  # replicated short dims unnamed
-        self._check_layout(flat)
+        # checks every weight against the layout, before any device memory is touched
+        self.sharded_state = ShardedState(layout, model_fn, self.optimizer, *abstract_model(model_fn))
+        self.placement = BatchPlacement(layout, cfg.microbatches)
         self.grad_sync = grad_sync.resolve(cfg, layout)  # None: exact
         self.pipeline, self.schedule, self.program = self._pipeline(pipeline)
+        self._plans = {p: reductions.reduction_plan(layout, names) for p, names in self.names.items()}
         # compressed all-reduces, one bucket per set of axes: [(axes, [paths])]; other paths are done in the step's shard_map
-        self._buckets, self._done_paths = self._all_reduce_buckets(flat)
-        self.param_specs = _nest({p: self._spec(p, "param") for p in flat})
-        self.opt_specs_by_param = _nest({p: self._spec(p, "optimizer") for p in flat})
-        self.grad_specs_by_param = _nest({p: self._spec(p, "grad") for p in flat})
-        abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(self.abstract))
-        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
-        self.opt_specs = optax.tree_map_params(
-            self.optimizer, lambda _, spec: spec, abstract_opt, self.opt_specs_by_param,
-            transform_non_params=lambda _: PartitionSpec(), is_leaf=lambda x: isinstance(x, PartitionSpec),
-        )
-        shard = lambda specs: jax.tree.map(  # noqa: E731
-            lambda s: NamedSharding(layout.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
-        )
-        self.state_shardings = TrainState(shard(self.param_specs), shard(self.opt_specs), NamedSharding(layout.mesh, PartitionSpec()))
+        self._buckets, self._done_paths = reductions.all_reduce_buckets(self._plans, self.grad_sync, cfg.microbatches)
         self._step = None
-        self._init_programs = None
         self.accumulator_bytes = None  # set when the step is traced
 
     def _pipeline(self, pieces):
@@ -187,112 +166,6 @@ class Trainer:
         pipeline_lib.layers_per_chunk(pipeline_lib.stacked_layers(stacked), schedule)
         return split, schedule, pipeline_lib.lower(schedule)
 
-    # --- layout checks, before any device memory is touched --------------------------------
-
-    def _spec(self, path, mapping):
-        return self.layout.spec(self.names[path], mapping)
-
-    def _check_layout(self, flat):
-        for path, var in flat.items():
-            what = f"weight {'/'.join(map(str, path))}"
-            for mapping in ("param", "optimizer", "grad", "compute"):
-                names = self.names[path]
-                if mapping == "compute":
-                    names = tuple(None if n == "layers" else n for n in names)
-                self.layout.spec(names, mapping, var.get_value().shape, what)
-
-    def batch_sharding(self, batch) -> Any:
-        spec = PartitionSpec(self.layout.batch_axes or None)
-        return jax.tree.map(lambda _: NamedSharding(self.layout.mesh, spec), batch)
-
-    def abstract_batch(self, batch_size: int, seq_len: int):
-        """A (batch_size, seq_len + 1) int32 token batch as a sharded ShapeDtypeStruct, for
-        compiling a step without data."""
-        shape = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
-        return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self.batch_sharding(shape))
-
-    def check_batch(self, batch):
-        shards = self.layout.batch_shards * self.cfg.microbatches
-        for leaf in jax.tree.leaves(batch):
-            if leaf.shape[0] % shards:
-                raise LayoutError(
-                    f"batch of {leaf.shape[0]} examples does not split evenly over {shards} = batch axes "
-                    f"{self.layout.batch_axes} x {self.cfg.microbatches} micro-batches; use a multiple of {shards}"
-                )
-
-    def _all_reduce_buckets(self, flat):
-        """([(axes, [paths])], other paths): the weights whose final all-reduce is compressed,
-        grouped by its axes. Refuses a sync that would compress nothing."""
-        sync, k = self.grad_sync, self.cfg.microbatches
-        if sync is None:
-            return [], list(flat)
-        buckets: dict[tuple, list] = {}
-        reductions = []  # axes of every reduction that runs once per step, to check something is compressed
-        for path in flat:
-            per_micro, final, rest = self._reduction_plan(path)
-            if k == 1:  # the gather's backward (ZeRO-3) and ZeRO-2's reduce-scatter run once per step too
-                names = [n for n in self.names[path] if n != "layers"]  # gathered one layer at a time
-                reductions += [axes for _, axes in gather_plan(names, self.layout) + per_micro]
-            reductions += [axes for _, axes in final] + [rest]
-            if rest and sync.compresses(rest):
-                buckets.setdefault(rest, []).append(path)
-        if not any(sync.compresses(axes) for axes in reductions):
-            raise LayoutError(
-                f"grad_sync={sync.name!r} would compress nothing: the gradient reductions over {', '.join(sync.axes)} all run "
-                f"inside the micro-batch loop (ZeRO-2/3 reduce-scatters; microbatches={k}), and only the reductions "
-                f"after it are compressed. Use microbatches=1, zero=1, or grad_sync='exact'"
-            )
-        bucketed = {p for paths in buckets.values() for p in paths}
-        return list(buckets.items()), [p for p in flat if p not in bucketed]
-
-    # --- state ---------------------------------------------------------------------------
-
-    def init(self, seed: int = 0) -> TrainState:
-        """Sharded parameters and optimizer state; the same seed gives the same values on any layout."""
-        init_params, init_opt = self.init_programs()
-        params = init_params(jax.random.key(seed))
-        step = jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step)
-        return TrainState(params, init_opt(params), step)
-
-    def init_programs(self):
-        """The compiled initialisers of the parameters (from a key) and of the optimizer state
-        (from the parameters), each writing straight into its layout. Compiled once: ``init``
-        runs them, and memory analysis reads their output sizes."""
-        if self._init_programs is None:
-
-            def init_params(key):
-                with nnx.use_eager_sharding(False):
-                    return nnx.to_pure_dict(nnx.state(self.model_fn(nnx.Rngs(key))))
-
-            key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-            params = jax.jit(init_params, out_shardings=self.state_shardings.params).lower(key).compile()
-            opt = jax.jit(self.optimizer.init, out_shardings=self.state_shardings.opt_state)
-            self._init_programs = (params, opt.lower(self.abstract_state().params).compile())
-        return self._init_programs
-
-    def abstract_state(self) -> TrainState:
-        """ShapeDtypeStructs with shardings: enough to compile a step without allocating anything."""
-        shapes = jax.eval_shape(lambda: self.init_shapes())
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings)
-
-    def init_shapes(self):
-        params = jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), nnx.to_pure_dict(self.abstract))
-        return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32))
-
-    # --- the step ------------------------------------------------------------------------
-
-    def abstract_leaf(self, path):
-        """ShapeDtypeStruct of one weight by its path."""
-        return self._flat_abstract[path].get_value()
-
-    def _with_values(self, pure):
-        state = jax.tree.map(lambda v: v, self.abstract)
-        nnx.replace_by_pure_dict(state, pure)
-        return state
-
-    def merge(self, pure):
-        """The model with the weights of pure dict ``pure``."""
-        return nnx.merge(self.graphdef, self._with_values(pure))
 
     def choose_path(self, params, batch):
         """Decide (once) who places the collectives, from one abstract trace of the loss.
@@ -348,38 +221,17 @@ class Trainer:
         if asked:
             raise LayoutError(f"{' and '.join(asked)} needs jaxpar's manual step, but {self.path_reason}. "
                               f"Write the model with jaxpar's model-facing calls (jaxpar.nn), or drop {asked[0]}")
-
-    def stacked_marks(self):
-        """A tree like the params, True at the stacked layer weights (logical axis ``layers``)."""
-        return _nest({p: "layers" in names for p, names in self.names.items()})
-
-    def _reduction_plan(self, path):
-        """Per weight: mesh axes reduced by the gather's backward, per micro-batch, and at the end."""
-        layout, names = self.layout, self.names[path]
-        axes = lambda n, m: layout.axes_of(n, m)  # noqa: E731
-        pending = list(layout.batch_axes)
-        for n in names:
-            for a in axes(n, "param"):
-                if a not in axes(n, "compute") and a in pending:
-                    pending.remove(a)  # reduce-scattered by the gather's transpose
-        per_micro, final = [], []
-        for stage, (src, dst) in (("micro", ("param", "grad")), ("final", ("grad", "optimizer"))):
-            for dim, n in enumerate(names):
-                new = tuple(a for a in axes(n, dst) if a not in axes(n, src) and a in pending)
-                if new:
-                    (per_micro if stage == "micro" else final).append((dim, new))
-                    pending = [a for a in pending if a not in new]
-        return per_micro, final, tuple(pending)
+    def _reduction_plan(self, path) -> reductions.ReductionPlan:
+        """Per weight: mesh axes reduced by the gather's backward, per micro-batch, at the end, and all-reduced."""
+        return self._plans[path]
 
     def _local_grads(self, params, batch, seed=None):
         """Runs on every device inside shard_map: mean loss and reduced gradient shards (under a
         compressed sync, the weights in ``self._buckets`` are left for ``grad_fn`` to all-reduce).
         ``seed``: the compressed sync's dither seed this step."""
-        layout, cfg, sync = self.layout, self.cfg, self.grad_sync
+        layout, cfg, plans = self.layout, self.cfg, self._plans
         k = cfg.microbatches
         shards = layout.batch_shards * k
-        flat_params = _flatten(params)
-        plans = {p: self._reduction_plan(p) for p in flat_params}
 
         # Make every weight vary over the batch axes: its gradient is then the unreduced local one,
         # and the reductions below are the only ones (no implicit all-reduce from autodiff).
@@ -387,8 +239,8 @@ class Trainer:
             axes = tuple(a for a in layout.batch_axes if a not in varying_axes(x))
             return jax.lax.pcast(x, axes, to="varying") if axes else x
 
-        varying = _nest({p: to_varying(v) for p, v in flat_params.items()})
-        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+        varying = nest({p: to_varying(v) for p, v in flatten(params).items()})
+        micro = local_microbatches(batch, k)
 
         def loss(p, mb):
             state = gather_params(self._with_values(p))  # the top-level weights, whole
@@ -398,44 +250,20 @@ class Trainer:
         objective = remat.checkpoint_layer_loops(loss, self.remat_policy, self.stacked_marks())
 
         def reduce(grads, which):
-            if sync is not None and (which == "final" or k == 1):  # with k > 1 the per-micro-batch ones stay exact
-                return _nest(self._reduce_compressed(_flatten(grads), plans, which, seed))
-            out = {}
-            for path, g in _flatten(grads).items():
-                per_micro, final, rest = plans[path]
-                for dim, axes in per_micro if which == "micro" else final:
-                    g = jax.lax.psum_scatter(g.astype(self._reduce_dtype), axes, scatter_dimension=dim, tiled=True)
-                if which == "final" and rest:
-                    g = jax.lax.psum(g.astype(self._reduce_dtype), rest)
-                out[path] = g.astype(jnp.float32)
-            return _nest(out)
+            return reductions.reduce(grads, plans, which, jnp.dtype(cfg.grad_reduce_dtype), self.grad_sync, seed, k)
 
         if self.pipeline is not None:  # the schedule runs the micro-batches through the stages
             stacked, edge = self.pipeline.split(varying)
             loss, stacked_grads, edge_grads = pipeline_lib.stage_grads(
                 self.program, self.pipeline.pieces, stacked, edge, micro, chunks=cfg.chunks, loss_scale=1.0 / shards)
             acc = self.pipeline.merge(stacked_grads, edge_grads)
-            self.accumulator_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(acc))
+            self.accumulator_bytes = accumulator_bytes(acc)
             loss = jax.lax.psum(loss, layout.batch_axes) if layout.batch_axes else loss
             return loss, reduce(reduce(acc, "micro"), "final")
 
-        def micro_step(acc, mb):
-            loss, grads = jax.value_and_grad(objective)(varying, mb)
-            grads = reduce(grads, "micro")
-            return jax.tree.map(jnp.add, acc, grads), loss
-
-        def acc_zeros(path, x):
-            shape = list(x.shape)
-            for dim, axes in plans[path][0]:
-                shape[dim] //= math.prod(layout.mesh.shape[a] for a in axes)
-            zeros = jnp.zeros(shape, jnp.float32)
-            vma = varying_axes(x) | set(layout.batch_axes)
-            return jax.lax.pcast(zeros, tuple(vma), to="varying") if vma else zeros
-
-        acc = _nest({p: acc_zeros(p, v) for p, v in _flatten(varying).items()})
         # per-device bytes of the buffer the micro-batch loop carries (the memory report reads it)
-        self.accumulator_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(acc))
-        acc, losses = jax.lax.scan(micro_step, acc, micro)
+        losses, acc, self.accumulator_bytes = accumulate(
+            jax.value_and_grad(objective), varying, micro, lambda g: reduce(g, "micro"), plans, layout)
         loss = jax.lax.psum(jnp.sum(losses), layout.batch_axes) if layout.batch_axes else jnp.sum(losses)
         unfinished = sorted(varying_axes(loss))
         if unfinished:
@@ -446,60 +274,15 @@ class Trainer:
             )
         return loss, reduce(acc, "final")
 
-    def _reduce_compressed(self, flat, plans, which, seed):
-        """``reduce`` under a compressed sync: each weight's reduce-scatters of this stage in
-        order, those over a compressed axis bucketed by axes; then (final stage) the all-reduces
-        that stay exact. All-reduces over a compressed axis are left to ``grad_fn``."""
-        sync, rd = self.grad_sync, self._reduce_dtype
-        stages = {p: list(plans[p][0] if which == "micro" else plans[p][1]) for p in flat}
-        round_ = 0
-        while any(stages.values()):
-            buckets: dict[tuple, list] = {}
-            for path, todo in stages.items():
-                if todo:
-                    dim, axes = todo.pop(0)
-                    if sync.compresses(axes):  # a bucket per type too: see rules.gather_params
-                        buckets.setdefault((axes, tuple(sorted(varying_axes(flat[path])))), []).append((path, dim))
-                    else:
-                        flat[path] = jax.lax.psum_scatter(flat[path].astype(rd), axes, scatter_dimension=dim, tiled=True)
-            for (axes, vma), members in buckets.items():
-                shards = sync.reduce_scatter_bucket([(flat[p], dim) for p, dim in members], axes, seed, (which, round_, axes, vma))
-                flat.update(zip([p for p, _ in members], shards))
-            round_ += 1
-        if which == "final":
-            for path, g in flat.items():
-                rest = plans[path][2]
-                if rest and not sync.compresses(rest):
-                    flat[path] = jax.lax.psum(g.astype(rd), rest)
-        return {p: g.astype(jnp.float32) for p, g in flat.items()}
-
     def _clip(self, grads):
         """(global norm, gradients clipped to ``cfg.clip_norm``)."""
-        norm = self._global_norm(grads)
-        if self.cfg.clip_norm:
-            scale = jnp.minimum(1.0, self.cfg.clip_norm / jnp.maximum(norm, 1e-30))
-            grads = jax.tree.map(lambda g: g * scale, grads)
-        return norm, grads
-
-    def _global_norm(self, grads):
-        """Norm of the whole gradient from its shards: each shard's squares summed over the axes it
-        is split over (once per group of leaves split alike), never over axes it is copied on."""
-        by_axes: dict[tuple, jax.Array] = {}
-        for path, g in _flatten(grads).items():
-            axes = tuple(a for name in self.names[path] for a in self.layout.axes_of(name, "optimizer"))
-            by_axes[axes] = by_axes.get(axes, 0.0) + jnp.sum(jnp.square(g))
-        total = sum(jax.lax.psum(s, axes) if axes else s for axes, s in by_axes.items())
-        return jnp.sqrt(total)
-
-    @property
-    def _reduce_dtype(self):
-        return jnp.dtype(self.cfg.grad_reduce_dtype)
+        return reductions.clip(grads, self.layout, self.names, self.cfg.clip_norm)
 
     def grad_fn(self):
         """(params, batch, step=None) -> (loss, gradient norm, clipped gradients laid out like the
         optimizer state), under the layout. ``step`` seeds a compressed sync's dither (0 if None)."""
         mesh, layout, sync = self.layout.mesh, self.layout, self.grad_sync
-        batch_spec = PartitionSpec(layout.batch_axes or None)
+        batch_spec = self.placement.spec
         replicated = PartitionSpec()
 
         def run(params, batch, seed=None):
@@ -552,13 +335,13 @@ class Trainer:
         into weights, and computes the norm and the clipping."""
         mesh, sync = self.layout.mesh, self.grad_sync
         per_device = PartitionSpec(tuple(a for a in mesh.axis_names if mesh.shape[a] > 1))
-        specs = _flatten(self.opt_specs_by_param)
+        specs = flatten(self.opt_specs_by_param)
         done_specs = [specs[p] for p in self._done_paths]
         shapes = {}  # bucket axes -> local shapes of its weights, read while the first map traces
 
         def local(params, batch, seed):
             loss, grads = run(params, batch, seed)
-            flat = _flatten(grads)
+            flat = flatten(grads)
             buckets = []
             for axes, paths in self._buckets:
                 shapes[axes] = [flat[p].shape for p in paths]
@@ -570,7 +353,7 @@ class Trainer:
             for (axes, paths), bucket in zip(self._buckets, buckets):
                 total = sync.all_reduce(bucket[0], axes, seed, ("all-reduce", axes))
                 flat.update(zip(paths, grad_sync.unpack(total, shapes[axes])))
-            return self._clip(_nest(flat))
+            return self._clip(nest(flat))
 
         bucket_specs = [per_device] * len(self._buckets)
 
@@ -635,24 +418,6 @@ class Trainer:
         gradient differs beyond ``tolerance``."""
         return check_lib.check_trainer(self, batch, tolerance, seed)
 
-    def put_batch(self, batch):
-        """Place a host batch on the devices, split over the batch axes."""
-        self.check_batch(batch)
-        return jax.device_put(batch, self.batch_sharding(batch))
-
-    def put_process_batch(self, batch_size: int, rows: Callable[[int, int], Any]):
-        """Build a global batch of ``batch_size`` rows of which this process makes only its own.
-
-        ``rows(start, stop)`` returns rows ``[start, stop)`` of the global batch as a host array.
-        It is called for the row ranges held by this process's devices (in order), so with
-        several processes each one reads only its shard of the data."""
-        self.check_batch(np.zeros((batch_size, 1)))
-        sharding = NamedSharding(self.layout.mesh, PartitionSpec(self.layout.batch_axes or None))
-        held = sharding.addressable_devices_indices_map((batch_size,)).values()
-        ranges = sorted({(index[0].start or 0, batch_size if index[0].stop is None else index[0].stop) for index in held})
-        local = np.concatenate([rows(start, stop) for start, stop in ranges])
-        return jax.make_array_from_process_local_data(sharding, local, (batch_size,) + local.shape[1:])
-
 
 def nonfinite_message(step: int, loss: float, grad_norm: float) -> str:
     what = "gradient" if not np.isfinite(grad_norm) else "loss"
@@ -675,19 +440,4 @@ def _manual_errors():
             "jaxpar.nn.constrain(x, logical_names) there, or write the model without jaxpar's model-facing calls so "
             f"that the GSPMD path takes it (TrainConfig(path='gspmd')). JAX said: {str(error).splitlines()[0]}"
         ) from error
-
-
-def _flatten(tree) -> dict:
-    """Pure nested dict -> {path tuple: leaf}."""
-    out = {}
-
-    def walk(node, prefix):
-        if isinstance(node, dict):
-            for key, child in node.items():
-                walk(child, prefix + (key,))
-        else:
-            out[prefix] = node
-
-    walk(tree, ())
-    return out
 
