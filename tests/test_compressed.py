@@ -182,7 +182,7 @@ def _accuracy(mesh, x, algorithm):
     return dynamiq, naive, eight
 
 
-@pytest.mark.parametrize("algorithm", [pytest.param("ring", marks=pytest.mark.slow), "butterfly"])
+@pytest.mark.parametrize("algorithm", ["butterfly"])  # the ring's accuracy: on real gradients below
 def test_accuracy_on_gradient_like_data(mesh, algorithm):
     """Issue targets: vNMSE <= 2.5e-3 at <= 5.5 wire bits, 5x below naive at equal bytes, <= 1e-4 at 8 bits."""
     assert quantize.wire_bits_per_value(compressed.DEFAULT_BITS["dynamiq"], "dynamiq") <= 5.5
@@ -191,7 +191,7 @@ def test_accuracy_on_gradient_like_data(mesh, algorithm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["butterfly"])  # the ring's accuracy is checked on gradient-like data above
+@pytest.mark.parametrize("algorithm", ["ring"])  # the butterfly's accuracy: on gradient-like data above
 def test_accuracy_on_tiny_llama_gradients(mesh, algorithm):
     from flax import nnx
 

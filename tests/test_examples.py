@@ -57,10 +57,7 @@ EXAMPLES = [
     pytest.param("compressed_grad_sync.py", ["--steps", "20", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "5",
                                              "--syncs", "exact", "dynamiq"],
                  "dynamiq trains like exact sync", id="compressed_grad_sync"),
-    pytest.param("survive_a_failure.py", ["--steps", "6", "--checkpoint-every", "2", "--kill-at", "3", "--more-steps", "2",
-                                          "--batch-size", "8", "--seq-len", "16"],
-                 "the job restarted from checkpoint", id="survive_a_failure", marks=pytest.mark.slow),
-]
+]  # survive_a_failure.py runs in test_multihost, against its uninterrupted job
 
 
 @pytest.mark.parametrize("script, args, line", EXAMPLES)
