@@ -56,11 +56,10 @@ def tiny_llama_pieces(tiny_llama):
 
 
 LLAMA_CASES = [
-    pytest.param("1f1b", ["tensor=4", "data=2,tensor=2"], 4, 1, id="1f1b-tensor4-data2tensor2"),
-    # (GPipe and the other schedules: the MLP cases above; FSDP and DP stages: the case below)
-    # (interleaved chunks: the MLP cases above and the SPMD pipeline's Llama tests)
-    pytest.param("eager-1f1b", ["tensor=2", "data=2", "fsdp=2", "tensor=2"], 4, 1, id="eager-4-stages",
-                 marks=pytest.mark.slow),
+    # TP, DP and FSDP stages side by side; (the other schedules: the MLP cases above; interleaved
+    # chunks: those and the SPMD pipeline's Llama tests; 1F1B over tensor=4 | data=2,tensor=2:
+    # examples/mpmd_pipeline.py, run by test_examples)
+    pytest.param("eager-1f1b", ["tensor=2", "data=2", "fsdp=2", "tensor=2"], 4, 1, id="eager-4-stages"),
 ]
 
 
