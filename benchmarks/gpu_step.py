@@ -10,7 +10,6 @@ Float32 master weights and AdamW state, bfloat16 compute, random tokens.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
