@@ -162,6 +162,15 @@ def test_stacked_layers_are_gathered_one_at_a_time():
     assert any(c.executions == 2 for c in gathers), [(c.executions, c.operand_bytes) for c in gathers]
 
 
+def test_check_passes_on_the_gspmd_path():
+    # Trainer.check on a model with no jaxpar call: its layout's gradients against one device
+    layout = build_layout(parse_strategy("data=2,fsdp=2,tensor=2", 8), aliases=ALIASES)
+    trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs), user_loss, CFG, optimizer=OPTIMIZER)
+    report = trainer.check(np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, 64)))
+    assert report.path == "gspmd" and report.ok and not report.failed, report.format()
+    assert len(report.weights) == len(jax.tree.leaves(trainer.abstract_state().params))
+
+
 def test_the_framework_recomputes_each_layer_of_a_stacked_model():
     # remat=full: jaxpar checkpoints each iteration of the model's own nnx.scan, so the step keeps
     # less for the backward pass (compiled memory analysis) and computes the same gradient. (One
