@@ -33,10 +33,11 @@ parser.add_argument("--seq-len", type=int, default=64)
 args = parser.parse_args()
 
 cfg = llama.CONFIGS["tiny"]
-_, abstract = abstract_model(lambda r: llama.Llama(cfg, rngs=r))
+graphdef, abstract = abstract_model(lambda r: llama.Llama(cfg, rngs=r))
 with nnx.use_eager_sharding(False):
     params = nnx.to_pure_dict(nnx.state(llama.Llama(cfg, rngs=nnx.Rngs(0))))
-split = pipeline.split_by_layer_stack(llama.pipeline_pieces(cfg), abstract)
+# no pipeline code in the model: its loss is cut at the scan over its stacked layers
+split = pipeline.split_at_layer_scan(llama.loss_fn, graphdef, abstract)
 
 microbatches, rows, length = args.microbatches, args.rows, args.seq_len
 layouts = mpmd.stage_layouts(["tensor=4", "data=2,tensor=2"])

@@ -213,6 +213,17 @@ def logical_names(variable) -> tuple[str | None, ...] | None:
     return None if names is None else tuple(names)
 
 
+def stored_shape(names, shape) -> tuple[int, ...]:
+    """The shape a weight of logical ``names`` and global ``shape`` has where the model runs: its
+    stored shard inside jaxpar's manual step, the whole weight elsewhere."""
+    active = _ACTIVE.get()
+    if active is None or not active.manual:
+        return tuple(shape)
+    layout = active.layout
+    spec = layout.spec(layout.effective_names(names, shape), "param")
+    return tuple(jax.sharding.NamedSharding(layout.mesh, spec).shard_shape(tuple(shape)))
+
+
 def gather_plan(names, layout: Layout) -> list[tuple[int, tuple[str, ...]]]:
     """(dim, mesh axes) a weight is all-gathered over, from its stored to its compute layout."""
     plan = []

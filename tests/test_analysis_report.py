@@ -9,7 +9,6 @@ import pytest
 from jaxpar.analysis import hlo, memory, traffic
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
-from jaxpar.parallel import pipeline as pl
 from jaxpar.train.step import TrainConfig, Trainer
 
 TINY = llama.CONFIGS["tiny"]
@@ -19,9 +18,7 @@ BATCH, SEQ = 16, 32
 @functools.cache  # the traffic and the memory tests read the same compiled step
 def compiled(strategy_text, cfg=TrainConfig(), model_cfg=TINY):
     strategy = parse_strategy(strategy_text, 8)
-    pieces = functools.partial(pl.split_by_layer_stack, llama.pipeline_pieces(model_cfg)) if strategy.spec.degrees["stage"] > 1 else None
-    trainer = Trainer(build_layout(strategy), lambda r: llama.Llama(model_cfg, rngs=r), llama.loss_fn, cfg,
-                      pipeline=pieces)
+    trainer = Trainer(build_layout(strategy), lambda r: llama.Llama(model_cfg, rngs=r), llama.loss_fn, cfg)
     batch = trainer.abstract_batch(BATCH, SEQ)
     step = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
     return strategy, trainer, step

@@ -96,11 +96,11 @@ OPTIMIZER = optax.sgd(LEARNING_RATE, momentum=0.9)
 STEPS = 3
 
 
-def train(spec, n, **model_kw):
+def train(spec, n, cfg=CFG, **model_kw):
     """(trainer, losses, first-step gradients, parameters after STEPS steps). The initial state is
     the one-device initialisation placed into this layout (same values on any layout)."""
     layout = build_layout(parse_strategy(spec, n), jax.devices()[:n], aliases=ALIASES)
-    trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, **model_kw), user_loss, CFG, optimizer=OPTIMIZER)
+    trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, **model_kw), user_loss, cfg, optimizer=OPTIMIZER)
     start = initial_params(**model_kw)
     shardings = trainer.state_shardings
     state = TrainState(jax.device_put(start, shardings.params), jax.device_put(OPTIMIZER.init(start), shardings.opt_state),
@@ -151,6 +151,14 @@ def test_plain_flax_model_equals_one_device(spec):
 def test_stacked_plain_flax_model_equals_one_device(spec):
     got = train(spec, 8, stacked=True, out_sharding=False)
     assert got[0].path == "gspmd"
+    assert_equal_to_one_device(got, reference(stacked=True, out_sharding=False), initial_params(stacked=True, out_sharding=False))
+
+
+def test_stacked_plain_flax_model_runs_as_a_pipeline():
+    # no pipeline code in the model: the step cuts its traced loss at the nnx.scan over its layers
+    # (one layer per stage here), on jaxpar's manual path; 2 micro-batches of 4 rows
+    got = train("stage=2,fsdp=4", 8, dataclasses.replace(CFG, microbatches=2), stacked=True, out_sharding=False)
+    assert got[0].path == "manual" and "pipelines" in got[0].path_reason
     assert_equal_to_one_device(got, reference(stacked=True, out_sharding=False), initial_params(stacked=True, out_sharding=False))
 
 

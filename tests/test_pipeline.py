@@ -357,8 +357,7 @@ def _train_two_steps(strategy, **options):
     cfg = llama.CONFIGS["tiny"]
     tokens = jax.random.randint(jax.random.key(3), (2, 16, 33), 0, cfg.vocab_size)
     train_cfg = TrainConfig(learning_rate=1e-2, warmup_steps=1, total_steps=2, clip_norm=0.5, microbatches=4, **options)
-    trainer = Trainer(build_layout(parse_strategy(strategy, 8)), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, train_cfg,
-                      pipeline=functools.partial(pl.split_by_layer_stack, llama.pipeline_pieces(cfg)))
+    trainer = Trainer(build_layout(parse_strategy(strategy, 8)), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, train_cfg)
     state, losses = trainer.init(0), []
     for batch in tokens:
         state, metrics = trainer.step(state, trainer.put_batch(np.asarray(batch)))
@@ -387,4 +386,4 @@ def test_trainer_refuses_the_asynchronous_schedule():
     with pytest.raises(LayoutError, match=r"'pipedream' updates each stage's weights after every micro-batch.*"
                                           r"pipeline.pipedream_train"):
         Trainer(build_layout(parse_strategy("stage=2,data=4", 8)), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn,
-                TrainConfig(schedule="pipedream", microbatches=4), pipeline=functools.partial(pl.split_by_layer_stack, llama.pipeline_pieces(cfg)))
+                TrainConfig(schedule="pipedream", microbatches=4))

@@ -207,9 +207,9 @@ class MPMDPipeline:
         batch_axes = set(layout.batch_axes)
 
         def apply(chunk, edge, x, mb):
-            h = model.first_fn(edge, mb) if first else x
-            h = model.stage_fn(chunk, h)
-            return model.last_fn(edge, h, mb) * loss_scale if last else h
+            h = model.first(edge, chunk, mb) if first else x
+            h = model.stage(edge, chunk, h, mb)
+            return model.last(edge, chunk, h, mb) * loss_scale if last else h
 
         if kind == FORWARD:
             def body(chunk, edge, x, mb):

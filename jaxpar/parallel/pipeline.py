@@ -7,6 +7,11 @@ The model is three functions and two sets of weights:
   slice of the weights stacked on ``layers`` (leading dim = layers per chunk);
 - ``last_fn(edge, x, batch) -> loss`` (head and loss) runs on the last virtual stage.
 
+(A model need not write these: ``split_at_layer_scan`` cuts any model's traced loss at its
+layer scan, and ``Trainer`` does so by default. The executors call the pieces through
+``PipelineModel.first`` / ``stage`` / ``last``, which hand each piece all a device holds for the
+micro-batch; ``PipelineModel``'s pass on the part its functions take.)
+
 ``edge`` weights (embedding, head: also tied ones) are kept whole on every stage and their
 gradient is summed over ``stage`` at the end (only the first and the last stage add to it).
 Stacked weights are split over ``stage``: device s holds chunks j = 0..v-1, chunk j being virtual
@@ -49,9 +54,11 @@ from jax.sharding import PartitionSpec
 
 from flax import nnx
 
+from jaxpar import layer_scan
 from jaxpar.errors import LayoutError
 from jaxpar.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
-from jaxpar.rules import Layout, gather_layers_when_read, gathered, logical_names, use_layout, varying_axes
+from jaxpar.rules import (Layout, gather_layers_when_read, gather_params, gathered, logical_names, stored_shape, use_layout,
+                          varying_axes)
 
 STAGE_AXIS = "stage"
 
@@ -63,6 +70,15 @@ class PipelineModel:
     first_fn: Callable
     stage_fn: Callable
     last_fn: Callable
+
+    def first(self, edge, chunk, batch):
+        return self.first_fn(edge, batch)
+
+    def stage(self, edge, chunk, x, batch):
+        return self.stage_fn(chunk, x)
+
+    def last(self, edge, chunk, x, batch):
+        return self.last_fn(edge, x, batch)
 
 
 # --- the schedule lowered to per-tick instructions -------------------------------------------
@@ -254,8 +270,8 @@ def run_schedule(program: Program, model: PipelineModel, stage_params, edge_para
     chunks = jax.tree.leaves(stage_params)[0].shape[0]
 
     def flowing(edge, mb, chunk):
-        x = model.first_fn(edge, mb)
-        return x, model.stage_fn(chunk, x)
+        x = model.first(edge, chunk, mb)
+        return x, model.stage(edge, chunk, x, mb)
 
     mb0, chunk0 = jax.tree.map(lambda b: b[0], batch), jax.tree.map(lambda p: p[0], stage_params)
     x0, y0 = jax.eval_shape(flowing, edge_params, mb0, chunk0)
@@ -264,7 +280,7 @@ def run_schedule(program: Program, model: PipelineModel, stage_params, edge_para
             f"stage_fn must keep the shape of what flows between stages: first_fn gives {x0.dtype}{list(x0.shape)}, "
             f"stage_fn turns it into {y0.dtype}{list(y0.shape)}"
         )
-    loss0 = jax.eval_shape(lambda edge, mb, chunk: model.last_fn(edge, flowing(edge, mb, chunk)[1], mb),
+    loss0 = jax.eval_shape(lambda edge, mb, chunk: model.last(edge, chunk, flowing(edge, mb, chunk)[1], mb),
                            edge_params, mb0, chunk0)
     if loss0.shape != ():
         raise LayoutError(f"last_fn must return the micro-batch's loss as a scalar, not shape {loss0.shape}")
@@ -283,9 +299,9 @@ def run_schedule(program: Program, model: PipelineModel, stage_params, edge_para
     def one_action(p, edge, x, mb_batch, first, last):
         """(output, loss) of a chunk: the embedding before it on the first virtual stage, head and
         loss after it on the last (zero loss elsewhere)."""
-        h = _cond(first, lambda e, x: model.first_fn(e, mb_batch), lambda e, x: x, edge, x)
-        y = model.stage_fn(p, h)
-        loss = _cond(last, lambda e, y: model.last_fn(e, y, mb_batch).astype(jnp.float32),
+        h = _cond(first, lambda e, x: model.first(e, p, mb_batch), lambda e, x: x, edge, x)
+        y = model.stage(edge, p, h, mb_batch)
+        loss = _cond(last, lambda e, y: model.last(e, p, y, mb_batch).astype(jnp.float32),
                      lambda e, y: jnp.zeros((), jnp.float32), edge, y)
         return y, loss
 
@@ -606,7 +622,7 @@ class SplitModel:
     """A model's pipeline pieces and how its weights (a pure dict) split into the stacked layers
     (``params[stacked]``) and the edge weights (everything else)."""
 
-    pieces: PipelineModel
+    pieces: PipelineModel | LayerScanPieces
     stacked: str
     names: tuple[Any, Any]  # logical names of (stacked weights, edge weights), shaped like them
 
@@ -615,6 +631,86 @@ class SplitModel:
 
     def merge(self, stacked, edge):
         return {**edge, self.stacked: stacked}
+
+
+def _names_of(abstract_state, stacked):
+    names = nnx.to_pure_dict(jax.tree.map(logical_names, abstract_state, is_leaf=lambda v: isinstance(v, nnx.Variable)))
+    return names[stacked], {key: n for key, n in names.items() if key != stacked}
+
+
+def split_at_layer_scan(loss_fn, graphdef, abstract_state, wrap_body=None) -> SplitModel:
+    """Any model whose layers run in one scan over its stacked weights (the one top-level module
+    whose weights all carry the logical axis ``layers``, scanned by ``jax.lax.scan`` or
+    ``nnx.scan``), split there, as a pipeline runs it: ``loss_fn(model, batch)`` is traced on each
+    micro-batch and cut at that scan (``LayerScanPieces``). No model code is written for the
+    pipeline. ``wrap_body``: applied to the scan's body (the step's remat, ``jax.checkpoint``)."""
+    stacked = _layer_stack(abstract_state)
+    pieces = LayerScanPieces(loss_fn, graphdef, abstract_state, stacked, wrap_body)
+    return SplitModel(pieces, stacked, _names_of(abstract_state, stacked))
+
+
+def _layer_stack(abstract_state) -> str:
+    """The key of the top-level module whose weights are all stacked on ``layers``."""
+    stacked: dict = {}
+    for path, var in nnx.to_flat_state(abstract_state):
+        stacked.setdefault(path[0], []).append("layers" in (logical_names(var) or ()))
+    found = [key for key, marks in stacked.items() if all(marks)]
+    if len(found) != 1:
+        raise LayoutError(f"a pipeline splits a model by its layer stack: one top-level module whose weights all carry the "
+                          f"logical axis 'layers' (e.g. nnx.vmap(..., transform_metadata={{nnx.PARTITION_NAME: 'layers'}})); "
+                          f"this model has {len(found)}{': ' + ', '.join(map(str, found)) if found else ''}")
+    return found[0]
+
+
+class LayerScanPieces:
+    """The pipeline pieces of a model cut at its layer scan (``layer_scan.cut``). Each piece traces
+    the model's loss on its micro-batch with the weights this device holds, and evaluates only its
+    part of the trace: ``first`` the scan's input, ``stage`` the scan over this chunk from what
+    flowed in, ``last`` what follows the scan. Edge weights are gathered whole, stacked ones a layer
+    at a time inside the scan, as in ``Trainer``'s step; a stage that holds no edge weights (an
+    MPMD middle stage) traces with placeholders, which the cut never evaluates."""
+
+    def __init__(self, loss_fn, graphdef, abstract_state, stacked, wrap_body=None):
+        self.loss_fn, self.graphdef, self.stacked, self.wrap_body = loss_fn, graphdef, stacked, wrap_body
+        self._abstract = abstract_state
+
+    def _loss(self, edge, chunk, batch):
+        state = jax.tree.map(lambda v: v, self._abstract)
+        nnx.replace_by_pure_dict(state, {**edge, self.stacked: chunk})
+        state = gather_params(state)  # the edge weights; one the cut does not need is never evaluated
+        gather_layers_when_read(state)
+        return self.loss_fn(nnx.merge(self.graphdef, state), batch)
+
+    def _cut(self, edge, chunk, batch):
+        if not edge:
+            edge = self._placeholders()
+        traced = layer_scan.trace(self._loss, (edge, chunk, batch), (False, True, False))
+        return layer_scan.cut(traced, "the model's loss")
+
+    def _placeholders(self):
+        """The edge weights as placeholders in the shapes they are stored in here."""
+        edge: dict = {}
+        for path, var in nnx.to_flat_state(self._abstract):
+            if path[0] != self.stacked:
+                value = var.get_value()
+                node = edge
+                for key in path[:-1]:
+                    node = node.setdefault(key, {})
+                node[path[-1]] = jax.ShapeDtypeStruct(stored_shape(logical_names(var) or (None,) * value.ndim, value.shape), value.dtype)
+        return edge
+
+    def first(self, edge, chunk, batch):
+        cut = self._cut(edge, chunk, batch)
+        return layer_scan.evaluate_for(cut.traced, [cut.carry_in], {}, "the pipeline's first stage")[0]
+
+    def stage(self, edge, chunk, x, batch):
+        cut = self._cut(edge, chunk, batch)
+        run = lambda eqn, ins: layer_scan.with_body(eqn, ins, self.wrap_body)  # noqa: E731
+        return layer_scan.evaluate_for(cut.traced, [cut.carry_out], {cut.carry_in: x}, "a pipeline stage", {cut.index: run})[0]
+
+    def last(self, edge, chunk, x, batch):
+        cut = self._cut(edge, chunk, batch)
+        return layer_scan.evaluate_for(cut.traced, list(cut.traced.jaxpr.outvars), {cut.carry_out: x}, "the pipeline's last stage")[0]
 
 
 def split_by_layer_stack(pieces, abstract_state, stacked: str = "layers") -> SplitModel:
@@ -642,9 +738,7 @@ def split_by_layer_stack(pieces, abstract_state, stacked: str = "layers") -> Spl
     def last_fn(edge, x, tokens):
         return last(_EdgeWeights(edge_abstract, edge), x, tokens)
 
-    names = nnx.to_pure_dict(jax.tree.map(logical_names, abstract_state, is_leaf=lambda v: isinstance(v, nnx.Variable)))
-    return SplitModel(PipelineModel(first_fn, stage_fn, last_fn), stacked,
-                      (names[stacked], {key: n for key, n in names.items() if key != stacked}))
+    return SplitModel(PipelineModel(first_fn, stage_fn, last_fn), stacked, _names_of(abstract_state, stacked))
 
 
 class _EdgeWeights(Mapping):

@@ -70,7 +70,7 @@ def check_trainer(trainer, batch, tolerance: float | None = None, seed: int = 0)
     tolerance = TOLERANCE[cfg.compute_dtype] if tolerance is None else tolerance
     results = []
     for layout in (trainer.layout, one_device(trainer.layout)):
-        t = Trainer(layout, trainer.model_fn, trainer.loss_fn, cfg, trainer.optimizer, trainer.pipeline_pieces)
+        t = Trainer(layout, trainer.model_fn, trainer.loss_fn, cfg, trainer.optimizer)
         state = t.init(seed)
         loss, _, grads = jax.jit(t.grad_fn())(state.params, t.put_batch(batch))
         results.append((t.path, float(loss), jax.tree_util.tree_leaves_with_path(jax.device_get(grads))))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -26,7 +25,7 @@ from jaxpar.errors import JaxparError, JobFailed
 from jaxpar.launch import report_progress
 from jaxpar.mesh import ParallelSpec
 from jaxpar.models import llama, model_config
-from jaxpar.parallel import Strategy, build_layout, parse_strategy, pipeline
+from jaxpar.parallel import Strategy, build_layout, parse_strategy
 from jaxpar.topology import Topology
 from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
@@ -209,8 +208,7 @@ def build_trainer(run: RunConfig, topology: Topology):
     _check_unused_options(run, strategy)
     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
     train_cfg = dataclasses.replace(run.train, total_steps=run.steps)
-    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, train_cfg,
-                      pipeline=functools.partial(pipeline.split_by_layer_stack, llama.pipeline_pieces(cfg)))
+    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, train_cfg)
     check_state_fits(trainer, topology, f"{run.model} under {strategy}")
     return trainer, strategy, cfg
 

@@ -115,7 +115,7 @@ class Trainer:
     put_batch = _Part("placement", "put")
     put_process_batch = _Part("placement", "put_process")
 
-    def __init__(self, layout: Layout, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(), optimizer=None, pipeline=None):
+    def __init__(self, layout: Layout, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(), optimizer=None):
         self.layout, self.model_fn, self.loss_fn, self.cfg = layout, model_fn, loss_fn, cfg
         if cfg.path not in PATHS:
             raise JaxparError(f"path={cfg.path!r} is unknown; use {', '.join(PATHS)}")
@@ -129,33 +129,27 @@ class Trainer:
         self.optimizer = optimizer or make_optimizer(cfg)
         # each layer loop's checkpoint policy (None: no checkpoint); refuses an unknown cfg.remat
         self.remat_policy = remat.policy(cfg.remat, layout.regather)
-        self.pipeline_pieces = pipeline
         # checks every weight against the layout, before any device memory is touched
         self.sharded_state = ShardedState(layout, model_fn, self.optimizer, *abstract_model(model_fn))
         self.placement = BatchPlacement(layout, cfg.microbatches)
         self.grad_sync = grad_sync.resolve(cfg, layout)  # None: exact
-        self.pipeline, self.schedule, self.program = self._pipeline(pipeline)
+        self.pipeline, self.schedule, self.program = self._pipeline()
         self._plans = {p: reductions.reduction_plan(layout, names) for p, names in self.names.items()}
         # compressed all-reduces, one bucket per set of axes: [(axes, [paths])]; other paths are done in the step's shard_map
         self._buckets, self._done_paths = reductions.all_reduce_buckets(self._plans, self.grad_sync, cfg.microbatches)
         self._step = None
         self.accumulator_bytes = None  # set when the step is traced
 
-    def _pipeline(self, pieces):
+    def _pipeline(self):
         """(model split into pipeline pieces, schedule, lowered program) when the mesh has a stage
-        axis; ``pieces(abstract_state)`` gives the split (``pipeline.split_by_layer_stack``)."""
+        axis: any model is cut at its layer scan (``pipeline.split_at_layer_scan``), each stage's
+        chunk of that scan checkpointed by the remat policy."""
         stages = dict(self.layout.mesh.shape).get("stage", 1)
         if stages == 1:
             return None, None, None
-        if pieces is None:
-            raise LayoutError(f"stage={stages} runs the layers as a pipeline, but this model gives no pipeline pieces; "
-                              f"pass Trainer(..., pipeline=functools.partial(pipeline.split_by_layer_stack, pieces)) with the "
-                              f"model's (first, stage, last) pieces (e.g. models.llama.pipeline_pieces(cfg))")
         if self.grad_sync is not None:
             raise LayoutError(f"grad_sync={self.cfg.grad_sync!r} is not supported with a pipeline (stage={stages}) yet; use grad_sync='exact'")
-        split = pieces(self.abstract)
-        stage = remat.checkpoint_layer_loops(split.pieces.stage_fn, self.remat_policy, True)
-        split = dataclasses.replace(split, pieces=dataclasses.replace(split.pieces, stage_fn=stage))
+        split = pipeline_lib.split_at_layer_scan(self.loss_fn, self.graphdef, self.abstract, wrap_body=remat.checkpoint(self.remat_policy))
         schedule = schedules.make(self.cfg.schedule, stages, self.cfg.microbatches, self.cfg.chunks)
         if schedule.asynchronous:
             raise LayoutError(f"schedule {self.cfg.schedule!r} updates each stage's weights after every micro-batch, "
