@@ -367,7 +367,9 @@ def _train_two_steps(strategy, **options):
 
 @pytest.mark.parametrize("strategy, options", [
     ("stage=2,fsdp=2,tensor=2", {"schedule": "1f1b"}),
-    pytest.param("stage=2,fsdp=2,tensor=2,zero=1", {"schedule": "interleaved-1f1b", "chunks": 2}, marks=pytest.mark.slow),
+    # remat=full: each stage's chunk of the layer scan checkpointed (train/remat.py), the same numbers
+    pytest.param("stage=2,fsdp=2,tensor=2,zero=1", {"schedule": "interleaved-1f1b", "chunks": 2, "remat": "full"},
+                 marks=pytest.mark.slow),
     pytest.param("stage=2,fsdp=4,zero=2", {"schedule": "eager-1f1b"}, marks=pytest.mark.slow),
 ])
 def test_trainer_pipeline_trains_like_the_unpipelined_layout(strategy, options):
