@@ -114,9 +114,9 @@ LAYOUTS = [
     pytest.param("data=8", marks=_slow),  # DP
     "fsdp=8",  # FSDP = ZeRO-3
     pytest.param("fsdp=8,zero=1", marks=_slow),
-    pytest.param("fsdp=8,zero=2", marks=_slow),
+    # (fsdp=8,zero=2: with 2 micro-batches, in test_gradient_accumulation_matches_one_device)
     pytest.param("data=2,fsdp=4", marks=_slow),  # HSDP
-    pytest.param("data=2,tensor=4", marks=_slow),  # TP
+    # (TP alone: in tensor=8, fsdp=4,tensor=2 and data=2,fsdp=2,tensor=2)
     pytest.param("data=2,tensor=4,sp=on", marks=_slow),  # TP + SP
     pytest.param("fsdp=4,tensor=2", marks=_slow),
     pytest.param("data=2,fsdp=2,tensor=2", marks=_slow),  # HSDP with TP
