@@ -138,7 +138,9 @@ class Cut:
 
 def cut(traced: Traced, what: str) -> Cut:
     """The one layer scan at the top of ``traced``, refused in words (naming ``what`` was traced)
-    unless it carries one array and outputs nothing per layer."""
+    unless it carries one array and outputs nothing per layer, and unless the stacked weights go
+    nowhere else (a stage holds only its chunk of them: a sum over all layers' weights outside the
+    loop, e.g. a regulariser, would silently cover that chunk alone)."""
     jaxpr, from_stack, found, other = traced.jaxpr, set(), [], []
     from_stack.update(v for v, m in zip(jaxpr.invars, traced.marks) if m)
     for i, eqn in enumerate(jaxpr.eqns):
@@ -155,6 +157,10 @@ def cut(traced: Traced, what: str) -> Cut:
             f"a pipeline cuts {what} at the scan that runs over the stacked layer weights (jax.lax.scan or nnx.scan "
             f"over the weights named 'layers'), but its trace has {len(found)} such scans at its top level{where}. "
             f"Run the layers in one scan, outside any jax.jit of the model's own")
+    if other:
+        raise LayoutError(
+            f"a pipeline stage holds only its chunk of the stacked layer weights, but {what} also uses them outside "
+            f"its layer scan (in {', '.join(sorted(set(other)))}). Use them only inside the scan over the layers")
     result = Cut(traced, found[0])
     p = result.eqn.params
     if p["num_carry"] != 1 or len(result.eqn.outvars) != 1:

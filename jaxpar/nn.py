@@ -30,6 +30,13 @@ def _check_rank(x, names):
         raise LayoutError(f"array of shape {x.shape} was given {len(names)} logical names {tuple(names)}; give one per dim")
 
 
+def _manual_layout(call: str) -> Layout | None:
+    """Record the model's ``call``; the active layout when inside jaxpar's manual step, else None."""
+    _called(call)
+    active = _ACTIVE.get()
+    return active.layout if active is not None and active.manual else None
+
+
 def constrain(x, names: Names):
     """Declare the compute layout of activation ``x`` by logical names."""
     _check_rank(x, names)
@@ -47,11 +54,9 @@ def enter_block(x, src: Names, dst: Names):
     In jaxpar's step, refuses an ``x`` that differs across a model-parallel mesh axis none of its
     ``src`` dims is split over: it holds a partial sum that was never finished (see ``_unfinished``)."""
     _check_rank(x, dst)
-    _called("enter_block")
-    active = _ACTIVE.get()
-    if active is None or not active.manual:
+    layout = _manual_layout("enter_block")
+    if layout is None:
         return constrain(x, dst)
-    layout = active.layout
     _refuse_unfinished_sum(x, src, layout, "enter_block")
     for dim, (s, d) in enumerate(zip(src, dst)):
         lost = tuple(a for a in layout.axes_of(s) if a not in layout.axes_of(d))
@@ -116,11 +121,9 @@ def reduce_partial(x, contracted: Sequence[str], dst: Names):
     Reduce-scatters along a ``dst`` dim that the summed mesh axes shard (Megatron sequence
     parallelism), all-reduces otherwise (Megatron tensor parallelism)."""
     _check_rank(x, dst)
-    _called("reduce_partial")
-    active = _ACTIVE.get()
-    if active is None or not active.manual:
+    layout = _manual_layout("reduce_partial")
+    if layout is None:
         return constrain(x, dst)
-    layout = active.layout
     pending = [a for name in contracted for a in layout.axes_of(name)]
     for dim, name in enumerate(dst):
         scatter = tuple(a for a in layout.axes_of(name) if a in pending)
@@ -132,24 +135,22 @@ def reduce_partial(x, contracted: Sequence[str], dst: Names):
 
 def shard_offset(names: Names, dim: int, local_size: int):
     """Index of the first entry of this device's shard along logical dim ``names[dim]`` (0 on one device)."""
-    _called("shard_offset")
-    active = _ACTIVE.get()
-    if active is None or not active.manual:
+    layout = _manual_layout("shard_offset")
+    if layout is None:
         return 0
     index = 0
-    for axis in active.layout.axes_of(names[dim]):
-        index = index * active.layout.mesh.shape[axis] + jax.lax.axis_index(axis)
+    for axis in layout.axes_of(names[dim]):
+        index = index * layout.mesh.shape[axis] + jax.lax.axis_index(axis)
     return index * local_size
 
 
 def sum_over(x, names: Names, dims: Sequence[int], op: str = "sum"):
     """Reduce ``x`` (``op`` = sum or max) over ``dims``, across devices too where those dims are sharded."""
-    _called("sum_over")
+    layout = _manual_layout("sum_over")
     local = jnp.sum(x, axis=tuple(dims)) if op == "sum" else jnp.max(x, axis=tuple(dims))
-    active = _ACTIVE.get()
-    if active is None or not active.manual:
+    if layout is None:
         return local
-    axes = tuple(a for d in dims for a in active.layout.axes_of(names[d]))
+    axes = tuple(a for d in dims for a in layout.axes_of(names[d]))
     if not axes:
         return local
     return jax.lax.psum(local, axes) if op == "sum" else jax.lax.pmax(local, axes)

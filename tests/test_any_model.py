@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis import hlo
-from jaxpar.errors import NonFiniteStep
+from jaxpar.errors import LayoutError, NonFiniteStep
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.train.step import TrainConfig, Trainer, TrainState
 
@@ -147,7 +147,8 @@ def test_plain_flax_model_equals_one_device(spec):
     assert_equal_to_one_device(got, reference(), initial_params())
 
 
-@pytest.mark.parametrize("spec", LAYOUTS)
+# hierarchical ZeRO too (weights sharded in groups of 4, gradients and optimizer state over all 8)
+@pytest.mark.parametrize("spec", LAYOUTS + ["fsdp=8,param_shards=4"])
 def test_stacked_plain_flax_model_equals_one_device(spec):
     got = train(spec, 8, stacked=True, out_sharding=False)
     assert got[0].path == "gspmd"
@@ -160,6 +161,20 @@ def test_stacked_plain_flax_model_runs_as_a_pipeline():
     got = train("stage=2,fsdp=4", 8, dataclasses.replace(CFG, microbatches=2), stacked=True, out_sharding=False)
     assert got[0].path == "manual" and "pipelines" in got[0].path_reason
     assert_equal_to_one_device(got, reference(stacked=True, out_sharding=False), initial_params(stacked=True, out_sharding=False))
+
+
+def test_a_pipeline_refuses_a_loss_that_reads_the_layer_stack_outside_the_loop():
+    # a stage holds only its chunk of the layers: a penalty over all of them, outside the model's
+    # own scan, would silently cover one chunk
+    def penalised(model, tokens):
+        return user_loss(model, tokens) + 1e-3 * jnp.sum(model.blocks.down.kernel[...] ** 2)
+
+    layout = build_layout(parse_strategy("stage=2,fsdp=4", 8), aliases=ALIASES)
+    trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, stacked=True, out_sharding=False), penalised,
+                      dataclasses.replace(CFG, microbatches=2), optimizer=OPTIMIZER)
+    batch = trainer.abstract_batch(8, 16)
+    with pytest.raises(LayoutError, match="outside its layer scan"):
+        trainer.jit_step(batch).lower(trainer.abstract_state(), batch)
 
 
 def test_stacked_layers_are_gathered_one_at_a_time():

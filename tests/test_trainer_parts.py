@@ -287,4 +287,4 @@ def test_trainer_reads_what_its_parts_hold():
     assert trainer.batch_sharding(np.zeros((16, 1))) == place.sharding(np.zeros((16, 1)))
     with pytest.raises(LayoutError, match="over 16 = batch axes"):
         trainer.check_batch(np.zeros((8, 1)))
-    assert trainer._reduction_plan(("up",)) == reductions.reduction_plan(trainer.layout, ("embed", "mlp"))
+    assert trainer._plans[("up",)] == reductions.reduction_plan(trainer.layout, ("embed", "mlp"))

@@ -134,6 +134,7 @@ class Trainer:
         self.placement = BatchPlacement(layout, cfg.microbatches)
         self.grad_sync = grad_sync.resolve(cfg, layout)  # None: exact
         self.pipeline, self.schedule, self.program = self._pipeline()
+        # per weight: the mesh axes its gradient is reduced over, and where (reductions.ReductionPlan)
         self._plans = {p: reductions.reduction_plan(layout, names) for p, names in self.names.items()}
         # compressed all-reduces, one bucket per set of axes: [(axes, [paths])]; other paths are done in the step's shard_map
         self._buckets, self._done_paths = reductions.all_reduce_buckets(self._plans, self.grad_sync, cfg.microbatches)
@@ -215,9 +216,6 @@ class Trainer:
         if asked:
             raise LayoutError(f"{' and '.join(asked)} needs jaxpar's manual step, but {self.path_reason}. "
                               f"Write the model with jaxpar's model-facing calls (jaxpar.nn), or drop {asked[0]}")
-    def _reduction_plan(self, path) -> reductions.ReductionPlan:
-        """Per weight: mesh axes reduced by the gather's backward, per micro-batch, at the end, and all-reduced."""
-        return self._plans[path]
 
     def _local_grads(self, params, batch, seed=None):
         """Runs on every device inside shard_map: mean loss and reduced gradient shards (under a
@@ -236,12 +234,12 @@ class Trainer:
         varying = nest({p: to_varying(v) for p, v in flatten(params).items()})
         micro = local_microbatches(batch, k)
 
-        def loss(p, mb):
+        def model_loss(p, mb):
             state = gather_params(self._with_values(p))  # the top-level weights, whole
             gather_layers_when_read(state)  # stacked ones, one layer at a time in the model's loop
             return self.loss_fn(nnx.merge(self.graphdef, state), mb) / shards
 
-        objective = remat.checkpoint_layer_loops(loss, self.remat_policy, self.stacked_marks())
+        objective = remat.checkpoint_layer_loops(model_loss, self.remat_policy, self.stacked_marks())
 
         def reduce(grads, which):
             return reductions.reduce(grads, plans, which, jnp.dtype(cfg.grad_reduce_dtype), self.grad_sync, seed, k)
