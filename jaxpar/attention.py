@@ -38,6 +38,8 @@ the whole sequence: one code path.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Callable
@@ -47,9 +49,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.errors import JaxparError
+from jaxpar.rules import _ACTIVE, _called, varying_axes
 
 IMPLEMENTATIONS = ("auto", "naive", "blockwise", "splash", "cudnn")
 DEFAULT_BLOCK = 512
+# the implementation ``attention(implementation=None)`` runs: a run's choice (``jaxpar train --attention``)
+_IMPLEMENTATION: contextvars.ContextVar[str] = contextvars.ContextVar("jaxpar_attention", default="auto")
+
+
+@contextlib.contextmanager
+def use_implementation(name: str):
+    """Make ``name`` the implementation of every ``attention`` call inside that names none."""
+    if name not in IMPLEMENTATIONS:
+        raise JaxparError(f"unknown attention implementation {name!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
+    token = _IMPLEMENTATION.set(name)
+    try:
+        yield
+    finally:
+        _IMPLEMENTATION.reset(token)
 
 
 # --- the mask description ------------------------------------------------------------------------
@@ -264,13 +281,31 @@ def _cudnn_refusal(mask: Mask, dtype) -> str | None:
 # --- the op ----------------------------------------------------------------------------------------
 
 
-def attention(q, k, v, mask: Mask | None = None, *, implementation: str = "auto", block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK, interpret: bool = False):
+def attention(q, k, v, mask: Mask | None = None, *, implementation: str | None = None, block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK, interpret: bool = False):
     """softmax(q k^T / sqrt(head_dim), masked) v: (batch, q_len, heads, head_dim) in q's dtype.
 
+    ``implementation``: None takes the run's (``use_implementation``; ``auto`` by default).
     ``block_q`` / ``block_kv``: blockwise and splash tile sizes (cut to the length; must divide it).
-    ``interpret``: run splash's Pallas kernel in interpret mode (on CPU, for tests)."""
+    ``interpret``: run splash's Pallas kernel in interpret mode (on CPU, for tests).
+
+    Inside jaxpar's manual step with the sequence split over ``context`` (context parallelism),
+    q, k, v and the segment ids are this device's positions of the sequence and the attention runs
+    across devices (``collectives/context_attention.py``)."""
+    _called("attention")
     mask = BIDIRECTIONAL if mask is None else mask
+    implementation = _IMPLEMENTATION.get() if implementation is None else implementation
     _check(q, k, v, mask)
+    active = _ACTIVE.get()
+    if active is not None and active.manual and (active.layout.ring_axes or active.layout.a2a_axes):
+        # imported here: the ring is built from this module's chunk pieces
+        from jaxpar.collectives import context_attention
+
+        return context_attention.attention(q, k, v, mask, active.layout, implementation, block_q, block_kv, interpret)
+    return _whole(q, k, v, mask, implementation, block_q, block_kv, interpret)
+
+
+def _whole(q, k, v, mask: Mask, implementation: str, block_q: int, block_kv: int, interpret: bool):
+    """Attention with every position of the sequence on this device."""
     impl = choose_implementation(implementation, mask, q.dtype, lengths=(q.shape[1], k.shape[1]))
     if impl == "splash":
         return _splash(q, k, v, mask, block_q, block_kv, interpret)
@@ -294,12 +329,28 @@ def attention_chunk(q, k, v, mask: Mask | None = None, *, q_offset=0, kv_offset=
     static = dataclasses.replace(mask, segments=None)
     if implementation == "naive":
         return _naive(static, q, k, v, *seg, q_offset, kv_offset)
+    run, _ = _blockwise_for(q, k, static, q_offset, kv_offset, block_q, block_kv)
+    return run(q, k, v, seg[0], seg[1], jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
+
+
+def chunk_grads(q, k, v, mask: Mask, out, lse, dout, *, q_offset=0, kv_offset=0, block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK):
+    """(dq, dk, dv) of one kv chunk's part in an attention whose merged result over all chunks is
+    ``out`` (float32) with log-sum-exp ``lse``, for the output cotangent ``dout``: the blockwise
+    backward with the whole result's statistics (a ring's backward pass, chunk by chunk)."""
+    seg = (mask.segments.q, mask.segments.kv) if mask.segments is not None else (None, None)
+    static = dataclasses.replace(mask, segments=None)
+    _, backward = _blockwise_for(q, k, static, q_offset, kv_offset, block_q, block_kv)
+    offsets = (jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
+    dq, dk, dv, *_ = backward((q, k, v, *seg, *offsets, out, lse), (dout, jnp.zeros_like(lse)))
+    return dq, dk, dv
+
+
+def _blockwise_for(q, k, static: Mask, q_offset, kv_offset, block_q: int, block_kv: int):
     bq = _block_size("block_q", block_q, q.shape[1])
     bk = _block_size("block_kv", block_kv, k.shape[1])
     table = _block_table(static, q.shape[1], k.shape[1], q_offset, kv_offset)
     plan = block_plan(static, q.shape[1], k.shape[1], bq, bk, q_offset, kv_offset)
-    fn = _blockwise_fn(static, table, bq, bk, plan)
-    return fn(q, k, v, seg[0], seg[1], jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
+    return _blockwise_fn(static, table, bq, bk, plan)
 
 
 def merge(a, b):
@@ -313,6 +364,14 @@ def merge(a, b):
     safe = jnp.where(seen, total, 1.0)
     out = (oa * wa[..., None] + ob * wb[..., None]) / safe[..., None]
     return out, jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+
+
+def full_varying(shape, value, *like):
+    """A float32 constant typed to vary over every mesh axis one of ``like`` varies over: inside
+    shard_map a loop's carry keeps one type, and what it accumulates varies as its inputs do."""
+    x = jnp.full(shape, value, jnp.float32)
+    axes = tuple(sorted(set().union(*(varying_axes(y) for y in like if y is not None))))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 # --- naive ----------------------------------------------------------------------------------------
@@ -353,12 +412,12 @@ def _lists(plan: np.ndarray):
     for i, row in enumerate(plan):
         cols = np.nonzero(row)[0]
         idx[i, : len(cols)] = cols
-    return jnp.asarray(idx), jnp.asarray(counts)
+    return idx, counts  # numpy: made into constants where used (a closed-over tracer would leak from the custom VJP)
 
 
 def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
-    kv_idx, kv_count = _lists(plan)  # forward: for each q block, its kv blocks
-    q_idx, q_count = _lists(plan.T)  # backward: for each kv block, its q blocks
+    kv_lists = _lists(plan)  # forward: for each q block, its kv blocks
+    q_lists = _lists(plan.T)  # backward: for each kv block, its q blocks
 
     def scores(qi, kj, i, j, seg_q, seg_kv, q_off, kv_off):
         """(b, kv_heads, group, bq, bk) float32 scores of q block i against kv block j, masked."""
@@ -374,6 +433,7 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
         return (_grouped(q, kh).reshape(b, nq // bq, bq, kh, h // kh, d), k.reshape(b, -1, bk, kh, d), v.reshape(b, -1, bk, kh, d))
 
     def forward(q, k, v, seg_q, seg_kv, q_off, kv_off):
+        kv_idx, kv_count = (jnp.asarray(x) for x in kv_lists)
         b, nq, h, d = q.shape
         qb, kb, vb = blocks(q, k, v)
         kh, g = qb.shape[3], qb.shape[4]
@@ -392,7 +452,8 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
                 pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vb[:, j], preferred_element_type=jnp.float32)
                 return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
-            init = (jnp.full((b, kh, g, bq), -jnp.inf), jnp.zeros((b, kh, g, bq)), jnp.zeros((b, kh, g, bq, d)))
+            ins = (q, k, v, seg_q, seg_kv, q_off, kv_off)
+            init = (full_varying((b, kh, g, bq), -jnp.inf, *ins), full_varying((b, kh, g, bq), 0.0, *ins), full_varying((b, kh, g, bq, d), 0.0, *ins))
             # only the kv blocks the plan keeps: a while loop whose trip count is this row's
             m, l, acc = jax.lax.fori_loop(0, kv_count[i], step, init)
             return _finish(jnp.where(jnp.isfinite(m), m, 0.0), l, acc)
@@ -411,6 +472,7 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
     def run_bwd(res, cts):
         q, k, v, seg_q, seg_kv, q_off, kv_off, out, lse = res
         dout, dlse = cts
+        q_idx, q_count = (jnp.asarray(x) for x in q_lists)
         b, nq, h, d = q.shape
         qb, kb, vb = blocks(q, k, v)
         kh, g = qb.shape[3], qb.shape[4]
@@ -439,16 +501,16 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
                 dq = dq.at[:, i].add(jnp.einsum("bkgqs,bskd->bqkgd", ds, kj.astype(jnp.float32)))
                 return dk, dv, dq
 
-            zero = jnp.zeros((b, bk, kh, d))
+            zero = full_varying((b, bk, kh, d), 0.0, q, k, v, dout, seg_q, seg_kv, q_off, kv_off)
             dk, dv, dq = jax.lax.fori_loop(0, q_count[j], step, (zero, zero, dq))
             return dq, (dk, dv)
 
-        dq, (dk, dv) = jax.lax.scan(kv_block, jnp.zeros(qb.shape), jnp.arange(k.shape[1] // bk))
+        dq, (dk, dv) = jax.lax.scan(kv_block, full_varying(qb.shape, 0.0, q, k, v, dout, seg_q, seg_kv, q_off, kv_off), jnp.arange(k.shape[1] // bk))
         unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(k.shape)
         return (dq.reshape(q.shape).astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), None, None, None, None)
 
     run.defvjp(run_fwd, run_bwd)
-    return run
+    return run, run_bwd
 
 
 # --- splash (TPU) ---------------------------------------------------------------------------------

@@ -67,6 +67,10 @@ class Layout:
     # logical axes kept whole (replicated) where a dim is shorter than its mesh axes and they are a
     # multiple of it: GQA's key/value heads under a tensor degree above their count (as Megatron does)
     replicable: frozenset[str] = frozenset()
+    # context parallelism: the mesh axes attention runs its ring over, and those it re-shards the
+    # sequence to heads over (all-to-all); the sequence (``length``) is split over both, ring major
+    context_ring: tuple[str, ...] = ()
+    context_a2a: tuple[str, ...] = ()
 
     def effective_names(self, names: Names, shape) -> tuple:
         """``names`` with each replicable logical axis that its dim is too short to split replaced
@@ -87,6 +91,25 @@ class Layout:
     def batch_shards(self) -> int:
         """Devices the batch is split over (each computes the mean loss of its own shard)."""
         return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    @property
+    def ring_axes(self) -> tuple[str, ...]:
+        return self._live(self.context_ring)
+
+    @property
+    def a2a_axes(self) -> tuple[str, ...]:
+        return self._live(self.context_a2a)
+
+    @property
+    def loss_axes(self) -> tuple[str, ...]:
+        """Mesh axes the tokens of a batch are split over (its examples, and under context
+        parallelism its positions): the loss and the gradients are summed over these."""
+        return self.batch_axes + tuple(a for a in self.axes_of("length") if a not in self.batch_axes)
+
+    @property
+    def loss_shards(self) -> int:
+        """Devices the tokens are split over (each computes the mean loss of its own)."""
+        return math.prod(self.mesh.shape[a] for a in self.loss_axes)
 
     def _live(self, axes: Sequence[str]) -> tuple[str, ...]:
         # Axes of degree 1 change nothing; leaving them out keeps specs and collectives clean.

@@ -8,6 +8,7 @@ A strategy string names mesh-axis degrees and options, e.g.::
     "data=2,tensor=4,sp=on"        DP x TP with sequence parallelism
     "fsdp=8,regather=on"           FSDP that gathers weights again for the backward pass
     "fsdp=8,param_shards=4"        hierarchical ZeRO: weights split in groups of 4, the rest over 8
+    "fsdp=4,context=2"             FSDP x context parallelism (ring attention over 2 devices)
 
 Each strategy is one module of this package and holds everything it is:
 
@@ -120,7 +121,8 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
             warnings.simplefilter("ignore")
             _, dcn = mesh_lib.split_ici_dcn(strategy.spec, num_slices)
         dcn_axes = tuple(a for a, d in dcn.items() if d > 1)
+    ring, a2a = context.attention_axes(strategy)
     return Layout(
         mesh, compute, stored["param"], stored["optimizer"], stored["grad"], regather=strategy.regather, dcn_axes=dcn_axes,
-        replicable=tensor.REPLICABLE,
+        replicable=tensor.REPLICABLE, context_ring=ring, context_a2a=a2a,
     )

@@ -1,21 +1,85 @@
-"""Context parallelism over ``context``: positions inside attention and MLP blocks, and in the
-residual stream, are split over ``context`` (the logical axes ``length`` and ``residual_length``).
-Attention across the split (ring attention) is not in jaxpar's models yet: the Llama refuses this
-axis; the traffic of ring attention comes with it.
+"""Context parallelism (CP): the sequence split over devices, ``context=N``, with attention across
+the split by one of three algorithms (``context_algorithm=``):
+
+- ``ring`` (the default): K/V travel a ring over ``context`` (ring attention; zigzag chunks so a
+  causal mask costs every device the same);
+- ``all-to-all`` (DeepSpeed-Ulysses): around attention the sequence split becomes a heads split
+  over ``context``, so the heads must divide by N;
+- ``hybrid`` (USP): ``context=N,context_algorithm=hybrid,a2a=U`` runs the all-to-all inside groups
+  of U neighbouring devices (mesh axis ``context_a2a``) and the ring across the N/U groups
+  (``context``).
+
+The logical axes ``length`` and ``residual_length`` are split over the context axes (ring major),
+so every activation of a block holds 1/N of the positions; the loss and the weights' gradients are
+summed over them like over the batch axes (``Layout.loss_axes``). The algorithms and their traffic
+are in ``collectives/context_attention.py``; per layer and device, with K/V the layer's key and
+value bytes for this device's batch rows over the whole sequence and Q/O its query and output
+bytes (compute dtype):
+
+- ring over R devices: forward (R-1)/R x K/V sent by collective-permute; backward (R-1)/R x K/V
+  again plus the K/V gradients in float32 going round and home, R/R x K/V x 4 / compute bytes;
+- all-to-all over U devices: forward each of q, k, v and the output sends (U-1)/U of its local
+  share, (U-1)/U x (Q + K/V + O) / (R x U) in all; backward the same for their cotangents;
+- hybrid: both, the ring's with the K/V of 1/U of the heads.
+
+Recomputation (``remat=full`` or ``dots``) runs the forward once more in the backward pass.
 """
 
-AXES = ("context",)
+from jaxpar.errors import SpecError
+
+AXES = ("context", "context_a2a")  # the ring across groups, the all-to-all inside one (neighbours)
 CROSSES_DCN = False
-OPTIONS: dict = {}
+ALGORITHMS = ("ring", "all-to-all", "hybrid")
+
+
+def _algorithm(key: str, text: str) -> str:
+    if text not in ALGORITHMS:
+        raise SpecError(f"option {key}={text!r}: choose one of {', '.join(ALGORITHMS)}")
+    return text
+
+
+def _degree(key: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise SpecError(f"option {key}={text!r}: give the number of devices of each all-to-all group, e.g. {key}=2") from None
+
+
+OPTIONS = {"context_algorithm": (_algorithm, "ring"), "a2a": (_degree, 0)}
+
+
+def reshape(degrees: dict, options: dict) -> dict:
+    """``context=N,context_algorithm=hybrid,a2a=U`` -> ``context=N/U`` (ring), ``context_a2a=U``."""
+    if options["context_algorithm"] != "hybrid":
+        return degrees
+    u, n = options["a2a"], degrees["context"]
+    if not 1 < u < n or n % u:
+        raise SpecError(f"context_algorithm=hybrid with context={n} needs a2a=U, the size of each all-to-all group: a divisor "
+                        f"of {n} strictly between 1 and {n} (the ring runs across the {n}/U groups); got a2a={u or 'nothing'}, "
+                        f"e.g. a2a={max(2, n // 2)}")
+    return dict(degrees, context=n // u, context_a2a=u)
 
 
 def check(strategy):
-    """Nothing to refuse here (the model says whether it can split its sequence)."""
+    if strategy.degrees["context_a2a"] > 1 and strategy.options["context_algorithm"] != "hybrid":
+        raise SpecError(f"context_a2a is set by the hybrid algorithm: write context=N,context_algorithm=hybrid,a2a=U instead of "
+                        f"context_a2a=... in {strategy}")
+    if "a2a" in strategy.given and strategy.options["context_algorithm"] != "hybrid":
+        raise SpecError(f"a2a= sizes the all-to-all groups of context_algorithm=hybrid, but {strategy} uses "
+                        f"{strategy.options['context_algorithm']}; add context_algorithm=hybrid or drop a2a")
 
 
 def rules(strategy, compute: dict, stored: dict):
     compute["length"] = compute["length"] + AXES
     compute["residual_length"] = compute["residual_length"] + AXES
+
+
+def attention_axes(strategy) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(ring axes, all-to-all axes) of the strategy's attention."""
+    algorithm = strategy.options["context_algorithm"]
+    if algorithm == "all-to-all":
+        return (), ("context",)
+    return ("context",), (("context_a2a",) if algorithm == "hybrid" else ())
 
 
 def traffic(strategy, ctx) -> dict:

@@ -1,0 +1,243 @@
+"""Attention over a sequence split across devices (context parallelism), inside jaxpar's shard_map.
+
+**The order devices hold the sequence in.** With a ring of R devices the sequence is cut into 2R
+chunks and ring rank r holds chunks r and 2R-1-r (a zigzag, as in Megatron-LM): under a causal
+mask every rank then does the same attention work. Inside a ring rank's share the all-to-all axes
+(U devices) split it into U contiguous pieces. ``sequence_order`` is that order. The batch is
+permuted by it on the host (``train/placement.py``) and split contiguously over the context axes,
+so each device receives its own positions and per-token work (the loss, RoPE from the batch's
+positions, segment ids) needs nothing more.
+
+**The algorithms**, by the layout's axes (``parallel/context.py``):
+
+- all-to-all (DeepSpeed-Ulysses) over the ``a2a`` axes: q, k and v go from split by sequence to
+  split by heads, each device attends over its ring share for heads/U of the heads with any
+  implementation (splash on TPU), and the output goes back. Per layer and device, forward: 4
+  all-to-alls (q, k, v, out), each sending (U-1)/U of its local bytes; backward: the same 4 for
+  the cotangents (dout in; dq, dk, dv out).
+- ring over the ``ring`` axes: K/V (and their segment ids) travel the ring by ``ppermute``, the
+  next transfer issued before the current chunk is computed so the two can overlap; partial
+  results are merged by the online-softmax rule (``attention.merge``). Per layer and device,
+  forward: R-1 transfers of the local K/V, (R-1)/R of the layer's K/V bytes for this device's
+  batch rows. Backward (a custom VJP; autodiff would keep every step's K/V): K/V travel the ring
+  again, R-1 transfers, and their float32 gradients travel with them and go home, R transfers:
+  (R-1)/R x K/V bytes + R/R x K/V elements x 4 bytes. Each chunk pair runs the blockwise kernel
+  whatever the implementation (splash keeps no log-sum-exp to merge by here).
+- hybrid (USP): the all-to-all inside groups of U, then the ring across the R groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar import attention as att
+from jaxpar.errors import LayoutError
+
+
+def sequence_order(length: int, ring: int) -> np.ndarray:
+    """The global positions in the order the context axes hold them (contiguous pieces of this)."""
+    chunks = np.arange(length).reshape(2 * ring, length // (2 * ring))
+    return np.concatenate([np.concatenate([chunks[r], chunks[2 * ring - 1 - r]]) for r in range(ring)])
+
+
+def required_multiple(ring: int, a2a: int) -> int:
+    """What a sequence length must be a multiple of: 2R zigzag chunks, each ring share split U ways."""
+    return math.lcm(2 * ring, ring * a2a)
+
+
+def attention(q, k, v, mask: att.Mask, layout, implementation: str, block_q: int, block_kv: int, interpret: bool):
+    """``attention.attention`` on this device's positions of a sequence split over the layout's
+    context axes (q, k, v and the segment ids as this device holds them)."""
+    ring, a2a = layout.ring_axes, layout.a2a_axes
+    seg = mask.segments
+    if a2a:
+        ways = math.prod(layout.mesh.shape[a] for a in a2a)
+        for name, x in (("query heads", q), ("key/value heads", k)):
+            if x.shape[2] % ways:
+                raise LayoutError(
+                    f"the all-to-all over {'/'.join(a2a)} splits attention by heads {ways} ways, but this device holds "
+                    f"{x.shape[2]} {name}: use an all-to-all degree that divides {x.shape[2]} (context_algorithm=hybrid "
+                    f"with a smaller a2a=, or ring)")
+        q, k, v = (jax.lax.all_to_all(x, a2a, 2, 1, tiled=True) for x in (q, k, v))  # heads split, sequence whole
+        if seg is not None:
+            seg = att.Segments(*(jax.lax.all_gather(s, a2a, axis=1, tiled=True) for s in (seg.q, seg.kv)))
+    if ring:
+        static = dataclasses.replace(mask, segments=None)
+        r_size = math.prod(layout.mesh.shape[a] for a in ring)
+        seg_q, seg_kv = (None, None) if seg is None else (seg.q, seg.kv)
+        out = _ring(static, ring, r_size, q, k, v, seg_q, seg_kv).astype(q.dtype)
+    else:
+        out = att._whole(q, k, v, dataclasses.replace(mask, segments=seg), implementation, block_q, block_kv, interpret)
+    return jax.lax.all_to_all(out, a2a, 1, 2, tiled=True) if a2a else out
+
+
+# --- the ring ------------------------------------------------------------------------------------
+# A ring rank's share is two halves, chunks (r, 2R-1-r). Each step computes some (query half, key
+# half) pairs; under a causal (or causal windowed) mask the zigzag needs only these, the others
+# being masked whole, and every step costs every rank the same two chunk pairs:
+#   the rank's own K/V (src == r): (0,0) and (1,1) causal on the diagonal, (1,0) whole;
+#   an earlier rank's (src < r):   (0,0), (1,0);
+#   a later rank's (src > r):      (1,0), (1,1).
+# Other masks (block masks, bidirectional) compute all four pairs. ``rel`` marks diagonal pairs,
+# run at offsets (0, 0): a causal band depends only on key - query, and static offsets let the
+# blockwise kernel skip the empty blocks.
+_CAUSAL_STEPS = (((0, 0, True), (1, 0, False), (1, 1, True)), ((0, 0, False), (1, 0, False)), ((1, 0, False), (1, 1, False)))
+_ALL_PAIRS = (((0, 0, False), (0, 1, False), (1, 0, False), (1, 1, False)),)
+
+
+def _steps(mask: att.Mask):
+    return _CAUSAL_STEPS if mask.causal and mask.blocks is None else _ALL_PAIRS
+
+
+def _branch(mask: att.Mask, src, rank):
+    if len(_steps(mask)) == 1:
+        return jnp.int32(0)
+    return jnp.where(src == rank, 0, jnp.where(src < rank, 1, 2))
+
+
+def _half(x, i):
+    if x is None:
+        return None
+    n = x.shape[1] // 2
+    return x[:, i * n:(i + 1) * n]
+
+
+def _pair_args(mask, ring_size, rank, src, pair, q, k, v, seg_q, seg_kv):
+    """(q half, k half, v half, mask with their segment ids, offsets, block sizes) of one pair."""
+    i, j, rel = pair
+    c = q.shape[1] // 2
+    chunk_of = lambda rank_, half: rank_ if half == 0 else 2 * ring_size - 1 - rank_  # noqa: E731
+    offsets = (0, 0) if rel else (chunk_of(rank, i) * c, chunk_of(src, j) * c)
+    sq, sk = _half(seg_q, i), _half(seg_kv, j)
+    m = mask if sq is None else dataclasses.replace(mask, segments=att.Segments(sq, sk))
+    block = math.gcd(c, att.DEFAULT_BLOCK)
+    return _half(q, i), _half(k, j), _half(v, j), m, offsets, block
+
+
+def _step_forward(mask, ring_size, rank, src, q, k, v, seg_q, seg_kv):
+    """(out float32, lse) of the whole share's queries against the K/V of ring rank ``src``."""
+
+    def run(pairs):
+        halves = [None, None]
+        for pair in pairs:
+            qi, kj, vj, m, (qo, ko), block = _pair_args(mask, ring_size, rank, src, pair, q, k, v, seg_q, seg_kv)
+            part = att.attention_chunk(qi, kj, vj, m, q_offset=qo, kv_offset=ko, block_q=block, block_kv=block)
+            i = pair[0]
+            halves[i] = part if halves[i] is None else att.merge(halves[i], part)
+        b, c, h, d = _half(q, 0).shape
+        empty = (att.full_varying((b, c, h, d), 0.0, q), att.full_varying((b, c, h), -jnp.inf, q))
+        (o0, l0), (o1, l1) = (p if p is not None else empty for p in halves)
+        return jnp.concatenate([o0, o1], 1), jnp.concatenate([l0, l1], 1)
+
+    return jax.lax.switch(_branch(mask, src, rank), [functools.partial(run, p) for p in _steps(mask)])
+
+
+def _step_grads(mask, ring_size, rank, src, q, k, v, seg_q, seg_kv, out, lse, dout):
+    """(dq, dk, dv) float32 of the K/V of ring rank ``src``'s part in the whole result."""
+
+    def run(pairs):
+        dq, dk, dv = [att.full_varying(x.shape, 0.0, q) for x in (q, k, v)]
+        c = q.shape[1] // 2
+        for pair in pairs:
+            qi, kj, vj, m, (qo, ko), block = _pair_args(mask, ring_size, rank, src, pair, q, k, v, seg_q, seg_kv)
+            i, j = pair[0], pair[1]
+            gq, gk, gv = att.chunk_grads(qi, kj, vj, m, _half(out, i), _half(lse, i), _half(dout, i), q_offset=qo, kv_offset=ko,
+                                         block_q=block, block_kv=block)
+            dq = dq.at[:, i * c:(i + 1) * c].add(gq.astype(jnp.float32))
+            dk = dk.at[:, j * c:(j + 1) * c].add(gk.astype(jnp.float32))
+            dv = dv.at[:, j * c:(j + 1) * c].add(gv.astype(jnp.float32))
+        return dq, dk, dv
+
+    return jax.lax.switch(_branch(mask, src, rank), [functools.partial(run, p) for p in _steps(mask)])
+
+
+def _next(ring_size):
+    return [(i, (i + 1) % ring_size) for i in range(ring_size)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ring(mask, axes, ring_size, q, k, v, seg_q, seg_kv):
+    return _ring_forward(mask, axes, ring_size, q, k, v, seg_q, seg_kv)[0]
+
+
+def _ring_forward(mask, axes, ring_size, q, k, v, seg_q, seg_kv):
+    rank = jax.lax.axis_index(axes)
+    send = lambda x: jax.lax.ppermute(x, axes, _next(ring_size))  # noqa: E731
+
+    def step(carry, i):
+        held, acc = carry
+        arriving = jax.tree.map(send, held)  # issued before the compute below, which does not need it
+        part = _step_forward(mask, ring_size, rank, (rank - i) % ring_size, q, *held[:2], seg_q, held[2])
+        return (arriving, att.merge(acc, part)), None
+
+    b, n, h, d = q.shape
+    start = (att.full_varying((b, n, h, d), 0.0, q), att.full_varying((b, n, h), -jnp.inf, q))
+    (held, acc), _ = jax.lax.scan(step, ((k, v, seg_kv), start), jnp.arange(ring_size - 1))
+    out, lse = att.merge(acc, _step_forward(mask, ring_size, rank, (rank + 1) % ring_size, q, *held[:2], seg_q, held[2]))
+    return out, (q, k, v, seg_q, seg_kv, out, lse)
+
+
+def _ring_fwd(mask, axes, ring_size, q, k, v, seg_q, seg_kv):
+    out, res = _ring_forward(mask, axes, ring_size, q, k, v, seg_q, seg_kv)
+    return out, res
+
+
+def _ring_bwd(mask, axes, ring_size, res, dout):
+    q, k, v, seg_q, seg_kv, out, lse = res
+    rank = jax.lax.axis_index(axes)
+    send = lambda x: jax.lax.ppermute(x, axes, _next(ring_size))  # noqa: E731
+    dout = dout.astype(jnp.float32)
+
+    def grads(held, grad_acc, i):
+        gq, gk, gv = _step_grads(mask, ring_size, rank, (rank - i) % ring_size, q, held[0], held[1], seg_q, held[2], out, lse, dout)
+        return gq, (grad_acc[0] + gk, grad_acc[1] + gv)
+
+    def step(carry, i):
+        held, grad_acc, dq = carry
+        arriving = jax.tree.map(send, held)  # K/V move on while this step's gradients are computed
+        gq, grad_acc = grads(held, grad_acc, i)
+        return (arriving, jax.tree.map(send, grad_acc), dq + gq), None  # the K/V gradients follow their K/V
+
+    zeros = (att.full_varying(k.shape, 0.0, q), att.full_varying(v.shape, 0.0, q))
+    (held, grad_acc, dq), _ = jax.lax.scan(step, ((k, v, seg_kv), zeros, att.full_varying(q.shape, 0.0, q)), jnp.arange(ring_size - 1))
+    gq, grad_acc = grads(held, grad_acc, ring_size - 1)
+    dk, dv = jax.tree.map(send, grad_acc)  # home: the owner of these K/V
+    return (dq + gq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# --- per-rank attention work --------------------------------------------------------------------
+
+
+def rank_work(mask: att.Mask, length: int, ring: int, a2a: int = 1, block: int = att.DEFAULT_BLOCK, zigzag: bool = True) -> np.ndarray:
+    """Query-key pairs each device's attention computes (in blocks of the kernel, whole blocks
+    counted) for one head of one sequence, by the ring's schedule above; with ``zigzag=False`` for
+    contiguous shares (chunks 2r, 2r+1), for comparison. The all-to-all divides the heads, not the
+    pairs, so each device of a group does its group's pairs / U heads: reported per device as such."""
+    c = length // (2 * ring)
+    block = math.gcd(c, block)
+    chunk = (lambda r, half: r if half == 0 else 2 * ring - 1 - r) if zigzag else (lambda r, half: 2 * r + half)
+    static = dataclasses.replace(mask, segments=None)
+    work = np.zeros(ring)
+    for rank in range(ring):
+        for src in range(ring):
+            if zigzag:
+                pairs = _steps(static)[0 if len(_steps(static)) == 1 else (0 if src == rank else 1 if src < rank else 2)]
+            else:  # contiguous shares: every pair that holds an allowed entry
+                pairs = [(i, j, False) for i in (0, 1) for j in (0, 1)
+                         if att.block_plan(static, c, c, block, block, chunk(rank, i) * c, chunk(src, j) * c).any()]
+            for i, j, rel in pairs:
+                offsets = (chunk(rank, i) * c, chunk(src, j) * c)
+                if rel:  # the kernel skips the empty blocks of a diagonal pair
+                    work[rank] += att.block_plan(static, c, c, block, block, *offsets).sum() * block * block
+                else:
+                    work[rank] += c * c
+    return np.repeat(work / a2a, a2a)
