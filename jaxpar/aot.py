@@ -83,7 +83,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     _, dcn = split_ici_dcn(strategy.spec, topology.num_slices)
     layout = build_layout(strategy, target.devices, num_slices=topology.num_slices)
     trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, TrainConfig(compute_dtype=compute_dtype, remat=remat))
-    trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"))
+    trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"), seq_len)
     batch = trainer.abstract_batch(batch_size, seq_len)
     try:
         compiled = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
@@ -171,7 +171,7 @@ def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int
                     _, dcn = split_ici_dcn(strategy.spec, topology.num_slices)
                     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
                 candidate = Trainer(layout, trainer.model_fn, trainer.loss_fn, trainer.cfg)
-                candidate.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"))
+                candidate.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"), seq_len)
             except JaxparError:  # does not divide the model or the slices: not a candidate
                 continue
             if str(strategy) == str(current):

@@ -51,6 +51,29 @@ def required_multiple(ring: int, a2a: int) -> int:
     return math.lcm(2 * ring, ring * a2a)
 
 
+def local_sequences(batch, layout):
+    """This device's positions of a batch, inside the step's shard_map (rows already its own): a
+    (batch, length + 1) token array becomes ``{"inputs", "targets", "positions"}`` of shape
+    (batch, length); every leaf of a dict of (batch, length) arrays is cut to the positions this
+    device holds (``sequence_order``, then its piece of it)."""
+    if not isinstance(batch, dict):
+        tokens = batch
+        n = tokens.shape[1] - 1
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": jnp.broadcast_to(jnp.arange(n), (tokens.shape[0], n))}
+    axes = layout.axes_of("length")
+    ring = math.prod(layout.mesh.shape[a] for a in layout.ring_axes)
+    pieces = math.prod(layout.mesh.shape[a] for a in axes)
+    index = 0
+    for axis in axes:  # this device's piece, counted ring major as the layout splits the sequence
+        index = index * layout.mesh.shape[axis] + jax.lax.axis_index(axis)
+
+    def cut(x):
+        held = jnp.asarray(sequence_order(x.shape[1], ring).reshape(pieces, -1))[index]
+        return jnp.take(x, held, axis=1)
+
+    return {key: cut(x) for key, x in batch.items()}
+
+
 def attention(q, k, v, mask: att.Mask, layout, implementation: str, block_q: int, block_kv: int, interpret: bool):
     """``attention.attention`` on this device's positions of a sequence split over the layout's
     context axes (q, k, v and the segment ids as this device holds them)."""

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.attention import CAUSAL, attention
 from jaxpar.nn import constrain, cross_entropy, embed_lookup, enter_block, reduce_partial, shard_offset
 
 # Activation layouts: the residual stream, and the inside of attention / MLP blocks.
@@ -93,23 +94,32 @@ class Llama(nnx.Module):
                 rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"), nnx.initializers.normal(cfg.embed**-0.5)
             )
 
-    def __call__(self, tokens):
-        """Logits (batch, length, vocab) for int tokens (batch, length).
+    def __call__(self, tokens, positions=None, segments=None):
+        """Logits (batch, length, vocab) for int tokens (batch, length) at ``positions`` (batch,
+        length; default 0, 1, ...); ``segments`` (batch, length) ids of packed documents, which
+        attend only within themselves.
 
         Weights arrive as the layout computes them: jaxpar's step gathers the top-level ones before
         the call and each layer's slice of the stacked ones when the scan reads it."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        mask = CAUSAL if segments is None else CAUSAL.with_segments(segments)
         x = embed_lookup(self.embedding[...], tokens, RESIDUAL)
-        x = _layers(x, nnx.state(self.layers), self.cfg)
+        x = _layers(x, nnx.state(self.layers), self.cfg, positions, mask)
         head = {"final_norm": self.final_norm[...], "embedding": self.embedding[...]}
         if not self.cfg.tie_embeddings:
             head["unembedding"] = self.unembedding[...]
         return _logits(x, head, self.cfg)
 
 
-def loss_fn(model: Llama, tokens):
-    """Next-token cross-entropy on (batch, length + 1) tokens."""
-    logits = model(tokens[:, :-1])
-    return cross_entropy(logits, tokens[:, 1:], LOGITS)
+def loss_fn(model: Llama, batch):
+    """Next-token cross-entropy on (batch, length + 1) tokens, or on a dict of (batch, length)
+    arrays ``inputs``, ``targets``, ``positions`` and optionally ``segments`` (the form a batch
+    takes under context parallelism, where each device holds some positions of every row)."""
+    if not isinstance(batch, dict):
+        batch = {"inputs": batch[:, :-1], "targets": batch[:, 1:]}
+    logits = model(batch["inputs"], batch.get("positions"), batch.get("segments"))
+    return cross_entropy(logits, batch["targets"], LOGITS)
 
 
 def pipeline_pieces(cfg: LlamaConfig):
@@ -123,7 +133,7 @@ def pipeline_pieces(cfg: LlamaConfig):
         return embed_lookup(edge["embedding"], tokens[:, :-1], RESIDUAL)
 
     def stage(layers, x):
-        return _layers(x, layers, cfg)
+        return _layers(x, layers, cfg, jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]), CAUSAL)
 
     def last(edge, x, tokens):
         return cross_entropy(_logits(x, edge, cfg), tokens[:, 1:], LOGITS)
@@ -131,13 +141,13 @@ def pipeline_pieces(cfg: LlamaConfig):
     return first, stage, last
 
 
-def _layers(x, layers, cfg):
+def _layers(x, layers, cfg, positions, mask):
     """The scanned transformer layers over the residual stream; ``layers``: the stacked weights.
     (jaxpar's step gathers each layer's weights when the body reads them, and checkpoints the
     body by the run's remat policy: ``jaxpar.train.remat``.)"""
     def layer(x, stacked_slice):
         w = {name: var[...] for name, var in stacked_slice.items()}
-        return _block(x, w, cfg), None
+        return _block(x, w, cfg, positions, mask), None
 
     return jax.lax.scan(layer, x, layers)[0]
 
@@ -158,31 +168,24 @@ def _rms_norm(x, scale, eps):
 
 
 def _rope(x, positions, theta):
-    """Rotary position embedding on (batch, length, heads, head_dim), half-split convention."""
+    """Rotary position embedding on (batch, length, heads, head_dim) at positions (batch, length),
+    half-split convention."""
     half = x.shape[-1] // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    angles = positions[..., None].astype(jnp.float32) * freqs
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _attention(h, w, cfg, positions):
+def _attention(h, w, cfg, positions, mask):
     q = _rope(jnp.einsum("ble,ehd->blhd", h, w["wq"]), positions, cfg.rope_theta)
     wk, wv = _kv_for_local_heads(w["wk"], w["wv"], cfg, q.shape[2])
     k = _rope(jnp.einsum("ble,ekd->blkd", h, wk), positions, cfg.rope_theta)
     v = jnp.einsum("ble,ekd->blkd", h, wv)
     q = constrain(q, ("batch", "length", "heads", "head_dim"))
     k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
-    b, length, heads, d = q.shape
-    kv = k.shape[2]  # local head counts: each device holds whole query groups
-    q = q.reshape(b, length, kv, heads // kv, d)
-    scores = jnp.einsum("blkgd,bmkd->bkglm", q, k).astype(jnp.float32) / jnp.sqrt(d)
-    causal = positions[:, None] >= positions[None, :]
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkglm,bmkd->blkgd", probs, v).reshape(b, length, heads, d)
-    out = constrain(out, ("batch", "length", "heads", "head_dim"))
+    out = constrain(attention(q, k, v, mask), ("batch", "length", "heads", "head_dim"))
     return jnp.einsum("blhd,hde->ble", out, w["wo"])
 
 
@@ -198,10 +201,9 @@ def _kv_for_local_heads(wk, wv, cfg, local_heads: int):
     return (jax.lax.dynamic_slice_in_dim(wk, first, count, axis=1), jax.lax.dynamic_slice_in_dim(wv, first, count, axis=1))
 
 
-def _block(x, w, cfg):
+def _block(x, w, cfg, positions, mask):
     h = enter_block(_rms_norm(x, w["attn_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
-    positions = jnp.arange(h.shape[1])  # the whole sequence: under SP the residual x holds a slice of it
-    x = x + reduce_partial(_attention(h, w, cfg, positions), ("heads", "head_dim"), RESIDUAL)
+    x = x + reduce_partial(_attention(h, w, cfg, positions, mask), ("heads", "head_dim"), RESIDUAL)
     h = enter_block(_rms_norm(x, w["mlp_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
     act = jax.nn.silu(jnp.einsum("ble,em->blm", h, w["w_gate"])) * jnp.einsum("ble,em->blm", h, w["w_up"])
     act = constrain(act, ("batch", "length", "mlp"))

@@ -26,12 +26,12 @@ def local_microbatches(batch, k: int):
 def acc_zeros(x, scatters, layout: Layout):
     """The accumulator of weight ``x``'s gradient: float32 zeros of the shard that the
     per-micro-batch reduce-scatters ``scatters`` ([(dim, mesh axes)]) leave, typed as varying
-    over the axes the gradients added to it vary over (``x``'s and the batch axes)."""
+    over the axes the gradients added to it vary over (``x``'s and those the tokens are split over)."""
     shape = list(x.shape)
     for dim, axes in scatters:
         shape[dim] //= math.prod(layout.mesh.shape[a] for a in axes)
     zeros = jnp.zeros(shape, jnp.float32)
-    vma = varying_axes(x) | set(layout.batch_axes)
+    vma = varying_axes(x) | set(layout.loss_axes)
     return jax.lax.pcast(zeros, tuple(vma), to="varying") if vma else zeros
 
 

@@ -97,9 +97,8 @@ def check_run(run: RunConfig, checkpoint: CheckpointConfig | None = None, resume
 
 
 # Mesh axes the Llama cannot run on yet, and what it lacks: rules.py maps logical axes onto them,
-# but models/llama.py has no ring attention and no expert layers.
+# but models/llama.py has no expert layers.
 LLAMA_UNSUPPORTED_AXES = {
-    "context": "its attention needs the whole sequence on every device (no ring attention yet)",
     "expert": "it has no mixture-of-experts layers to split",
 }
 
@@ -271,7 +270,7 @@ def run_training(
     tokens, held_out = data.split_corpus(data.corpus_tokens())
     if run.seq_len >= len(held_out):
         raise JaxparError(f"--seq-len {run.seq_len} is longer than the held-out text ({len(held_out)} tokens); use a shorter one")
-    trainer.check_batch(np.zeros((run.batch_size, 1)))
+    trainer.check_batch(np.zeros((run.batch_size, 1)), run.seq_len)
     if resume == "required":
         ckpt = Checkpointer.existing(checkpoint)
     else:

@@ -47,9 +47,9 @@ class ReductionPlan(NamedTuple):
 
 
 def reduction_plan(layout: Layout, names) -> ReductionPlan:
-    """The plan of a weight with these (effective) logical names: every batch axis of ``layout``
-    appears in it once."""
-    pending = list(layout.batch_axes)
+    """The plan of a weight with these (effective) logical names: every axis the tokens are split
+    over (``layout.loss_axes``: the batch axes, and the context axes) appears in it once."""
+    pending = list(layout.loss_axes)
     parts: dict[str, list] = {}
     for part, src, dst in PARTS:
         parts[part] = []

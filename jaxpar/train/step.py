@@ -29,6 +29,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar import attention
+from jaxpar.collectives import context_attention
 from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel import schedules
@@ -60,6 +62,7 @@ class TrainConfig:
     schedule: str = "1f1b"  # pipeline schedule when the mesh has stage > 1 (parallel/schedules.py)
     chunks: int = 1  # layer chunks per stage (interleaved-1f1b: virtual stages per device)
     remat: str = "none"  # none | full | dots: what the backward pass recomputes per layer (remat.py)
+    attention: str = "auto"  # auto | naive | blockwise | splash | cudnn: jaxpar.attention's implementation
     path: str = "auto"  # auto | manual | gspmd: who places the collectives (see Trainer.path_reason)
     nonfinite: str = "stop"  # stop | skip: a step whose loss or gradient is NaN/inf raises, or is skipped
 
@@ -211,6 +214,7 @@ class Trainer:
             "a compressed grad_sync": self.grad_sync is not None,
             "a pipeline (stage > 1)": self.pipeline is not None,
             "regather=on": self.layout.regather,
+            "context parallelism (context > 1)": bool(self.layout.ring_axes or self.layout.a2a_axes),
         }
         asked = [what for what, on in manual_only.items() if on]
         if asked:
@@ -223,16 +227,17 @@ class Trainer:
         ``seed``: the compressed sync's dither seed this step."""
         layout, cfg, plans = self.layout, self.cfg, self._plans
         k = cfg.microbatches
-        shards = layout.batch_shards * k
+        shards = layout.loss_shards * k
+        split_sequence = bool(layout.ring_axes or layout.a2a_axes)
 
-        # Make every weight vary over the batch axes: its gradient is then the unreduced local one,
-        # and the reductions below are the only ones (no implicit all-reduce from autodiff).
+        # Make every weight vary over the axes the tokens are split over: its gradient is then the
+        # unreduced local one, and the reductions below are the only ones (no implicit all-reduce).
         def to_varying(x):
-            axes = tuple(a for a in layout.batch_axes if a not in varying_axes(x))
+            axes = tuple(a for a in layout.loss_axes if a not in varying_axes(x))
             return jax.lax.pcast(x, axes, to="varying") if axes else x
 
         varying = nest({p: to_varying(v) for p, v in flatten(params).items()})
-        micro = local_microbatches(batch, k)
+        micro = local_microbatches(context_attention.local_sequences(batch, layout) if split_sequence else batch, k)
 
         def model_loss(p, mb):
             state = gather_params(self._with_values(p))  # the top-level weights, whole
@@ -244,19 +249,25 @@ class Trainer:
         def reduce(grads, which):
             return reductions.reduce(grads, plans, which, jnp.dtype(cfg.grad_reduce_dtype), self.grad_sync, seed, k)
 
-        if self.pipeline is not None:  # the schedule runs the micro-batches through the stages
-            stacked, edge = self.pipeline.split(varying)
-            loss, stacked_grads, edge_grads = pipeline_lib.stage_grads(
-                self.program, self.pipeline.pieces, stacked, edge, micro, chunks=cfg.chunks, loss_scale=1.0 / shards)
-            acc = self.pipeline.merge(stacked_grads, edge_grads)
-            self.accumulator_bytes = accumulator_bytes(acc)
-            loss = jax.lax.psum(loss, layout.batch_axes) if layout.batch_axes else loss
+        with record_model_calls() as calls:
+            if self.pipeline is not None:  # the schedule runs the micro-batches through the stages
+                stacked, edge = self.pipeline.split(varying)
+                loss, stacked_grads, edge_grads = pipeline_lib.stage_grads(
+                    self.program, self.pipeline.pieces, stacked, edge, micro, chunks=cfg.chunks, loss_scale=1.0 / shards)
+                acc = self.pipeline.merge(stacked_grads, edge_grads)
+                self.accumulator_bytes = accumulator_bytes(acc)
+                losses = loss[None]
+            else:  # per-device bytes of the buffer the micro-batch loop carries (the memory report reads it)
+                losses, acc, self.accumulator_bytes = accumulate(
+                    jax.value_and_grad(objective), varying, micro, lambda g: reduce(g, "micro"), plans, layout)
+        if split_sequence and "attention" not in calls:
+            raise LayoutError(
+                f"the layout splits the sequence over {'/'.join(layout.axes_of('length'))} (context parallelism), but the "
+                f"model never calls jaxpar.attention.attention: attention of its own would see only this device's "
+                f"positions. Call jaxpar.attention.attention(q, k, v, mask) in the model, or drop context=")
+        loss = jax.lax.psum(jnp.sum(losses), layout.loss_axes) if layout.loss_axes else jnp.sum(losses)
+        if self.pipeline is not None:
             return loss, reduce(reduce(acc, "micro"), "final")
-
-        # per-device bytes of the buffer the micro-batch loop carries (the memory report reads it)
-        losses, acc, self.accumulator_bytes = accumulate(
-            jax.value_and_grad(objective), varying, micro, lambda g: reduce(g, "micro"), plans, layout)
-        loss = jax.lax.psum(jnp.sum(losses), layout.batch_axes) if layout.batch_axes else jnp.sum(losses)
         unfinished = sorted(varying_axes(loss))
         if unfinished:
             raise LayoutError(
@@ -281,7 +292,7 @@ class Trainer:
             # ZeRO-3's reduce-scatter (in the gather's backward) is compressed only when it runs once per step
             in_gather = {"grad_sync": sync, "grad_seed": seed} if sync is not None and self.cfg.microbatches == 1 else {}
             dtypes = {"compute_dtype": self.cfg.compute_dtype, "grad_reduce_dtype": self.cfg.grad_reduce_dtype}
-            with use_layout(layout, manual=True, **dtypes, **in_gather):
+            with use_layout(layout, manual=True, **dtypes, **in_gather), attention.use_implementation(self.cfg.attention):
                 return self._local_grads(params, batch, seed)
 
         def clipped(params, batch, seed=None):
@@ -290,7 +301,7 @@ class Trainer:
 
         def grads(params, batch, step=None):
             if self.choose_path(params, batch) == "gspmd":
-                with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), attention.use_implementation(self.cfg.attention):
                     self.accumulator_bytes = gspmd.accumulator_bytes(self)
                     return gspmd.grads_fn(self, self._explicit)(params, batch)
             with _manual_errors():
