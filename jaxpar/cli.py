@@ -54,6 +54,10 @@ def _train_parser(sub):
     p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 keeps float32 master weights")
     p.add_argument("--grad-reduce-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype gradients are summed across devices in")
     p.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="what the backward pass recomputes")
+    p.add_argument("--attention", default="auto", choices=["auto", "naive", "blockwise", "splash", "cudnn"],
+                   help="attention implementation (auto: splash on TPU, cuDNN on GPU where the mask allows, else blockwise)")
+    p.add_argument("--context-algorithm", choices=["ring", "all-to-all", "hybrid"],
+                   help="attention across a sequence split by context=N (default ring; hybrid also needs a2a=U in the strategy)")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="drop the update of a step whose loss or gradient is NaN or inf and go on (default: stop there, exit 1)")
     g = p.add_argument_group("gradient sync (how gradients are summed across the batch axes)")
@@ -256,11 +260,13 @@ def _train(args) -> int:
     # a job the launcher restarts resumes if it saves checkpoints at all
     resume = args.resume or (os.environ.get(launch.ENV_RESUME, "never") if checkpoint else "never")
     pipeline_flags = {k: v for k, v in (("schedule", args.schedule), ("chunks", args.chunks)) if v is not None}
+    strategy = args.strategy + (f",context_algorithm={args.context_algorithm}" if args.context_algorithm else "")
     run = RunConfig(
-        model=args.model, strategy=args.strategy, steps=args.steps, batch_size=args.batch_size,
+        model=args.model, strategy=strategy, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, seed=args.seed, explicit=frozenset(pipeline_flags),
         train=TrainConfig(
             learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, remat=args.remat, microbatches=args.microbatches, **pipeline_flags,
+            attention=args.attention,
             compute_dtype=args.compute_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
             nonfinite="skip" if args.skip_nonfinite else "stop", grad_sync=args.grad_sync, grad_sync_bits=args.grad_sync_bits,
             grad_sync_axes=None if args.grad_sync_axes is None else tuple(filter(None, (a.strip() for a in args.grad_sync_axes.split(",")))),

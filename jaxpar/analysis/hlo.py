@@ -336,9 +336,24 @@ def _const(ins: _Instr | str | None, table) -> int | None:
     return None
 
 
+def _holds_collectives(comps):
+    """computation name -> whether it, or a computation it calls, holds a collective."""
+    memo: dict[str, bool] = {}
+
+    def holds(c: str) -> bool:
+        if c not in memo:
+            memo[c] = False  # guards against cycles
+            memo[c] = any(ins.opcode.removesuffix("-start") in KINDS or any(holds(callee) for _, callee in _callees(ins))
+                          for ins in comps.get(c, []))
+        return memo[c]
+
+    return holds
+
+
 def _executions(comps, roots, table, entry) -> dict[str, int]:
     """How many times each computation runs per program call (0 if unreachable)."""
     callers: dict[str, list[tuple[str, int]]] = {}
+    holds = _holds_collectives(comps)
     for comp, instrs in comps.items():
         for ins in instrs:
             trip = None
@@ -347,7 +362,7 @@ def _executions(comps, roots, table, entry) -> dict[str, int]:
                 if ins.opcode == "while" and key in ("body", "condition"):
                     if trip is None:
                         trip = _trip_count(ins, comps, roots, table)
-                        if trip is None:
+                        if trip is None and holds(callee):  # a loop without collectives changes no count
                             warnings.warn(f"trip count of {ins.name} unknown; counting its body once")
                     mult = (trip or 1) + (key == "condition")
                 callers.setdefault(callee, []).append((comp, mult))

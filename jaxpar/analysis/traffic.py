@@ -39,9 +39,11 @@ class TrafficContext:
     microbatches: int
     batch_shards: int
     batch: int
-    length: int
+    length: int  # of the whole sequence
     model: object  # the LlamaConfig, for the activation traffic (None: weights only)
     schedule: object  # the pipeline schedule, or None
+    remat: str = "none"  # what the backward pass recomputes (a recomputed forward sends its traffic again)
+    sequence_shards: int = 1  # ways the sequence is split (context parallelism)
 
 
 def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
@@ -57,7 +59,8 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
         replicated_psi=replicated_params(trainer), regathered=layer_psi if regather else 0.0,
         stored_shards=ways("param"), grad_shards=ways("optimizer"), compute_bytes=cb, reduce_bytes=rb, stored_bytes=4,
         microbatches=cfg.microbatches, batch_shards=layout.batch_shards, batch=batch_shape[0], length=batch_shape[1],
-        model=model_cfg, schedule=trainer.schedule,
+        model=model_cfg, schedule=trainer.schedule, remat=cfg.remat,
+        sequence_shards=math.prod(layout.mesh.shape[a] for a in layout.axes_of("length") if a not in layout.batch_axes),
     )
 
 

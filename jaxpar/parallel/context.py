@@ -22,10 +22,14 @@ bytes (compute dtype):
   share, (U-1)/U x (Q + K/V + O) / (R x U) in all; backward the same for their cotangents;
 - hybrid: both, the ring's with the K/V of 1/U of the heads.
 
-Recomputation (``remat=full`` or ``dots``) runs the forward once more in the backward pass.
+Recomputation (``remat=full`` or ``dots``) runs the all-to-alls of the forward once more; the ring
+(a custom VJP whose residuals JAX keeps) it does not.
 """
 
+import math
+
 from jaxpar.errors import SpecError
+from jaxpar.parallel import data
 
 AXES = ("context", "context_a2a")  # the ring across groups, the all-to-all inside one (neighbours)
 CROSSES_DCN = False
@@ -91,7 +95,34 @@ def attention_axes(strategy) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def traffic(strategy, ctx) -> dict:
-    return {}
+    """Ring and all-to-all bytes per device per step (see the module doc), from the Llama's shapes."""
+    layout, model = ctx.layout, ctx.model
+    ring = math.prod(ctx.mesh[a] for a in layout.ring_axes)
+    a2a = math.prod(ctx.mesh[a] for a in layout.a2a_axes)
+    if ring * a2a == 1:
+        return {}
+    # the weights' gradients are summed over data and the context axes in one all-reduce: what
+    # that adds to data's own (``data.traffic``)
+    shard = ctx.psi / ctx.grad_shards * ctx.reduce_bytes
+    n = ctx.mesh["data"]
+    out: dict = {("all-reduce", "context"): data.grad_allreduce_bytes(shard, n * ring * a2a) - data.grad_allreduce_bytes(shard, n)}
+    if model is None:
+        return out
+    t = ctx.mesh["tensor"]
+    heads, kv_heads = model.heads // t, max(1, model.kv_heads // t)
+    rows = ctx.batch // ctx.batch_shards  # this device's rows, over all micro-batches
+    # Recomputation (remat) runs the all-to-alls of a layer's forward again; the ring, a custom
+    # VJP, keeps its residuals (measured: the same collective-permutes with and without remat)
+    forwards = 1 + (ctx.remat != "none")
+    if ring > 1:
+        kv = rows * ctx.length * kv_heads // a2a * model.head_dim * 2  # elements, whole sequence, the heads held after the all-to-all
+        per_layer = 2 * (ring - 1) / ring * kv * ctx.compute_bytes + kv * 4  # forward, backward, + the float32 K/V gradients' R hops
+        out[("collective-permute", layout.ring_axes[0])] = model.layers * per_layer
+    if a2a > 1:
+        local = rows * ctx.length // (ring * a2a) * model.head_dim * ctx.compute_bytes
+        moved = (a2a - 1) / a2a * (2 * heads + 2 * kv_heads) * local  # q, out and k, v (or their cotangents)
+        out[("all-to-all", layout.a2a_axes[0])] = model.layers * (forwards + 1) * moved
+    return out
 
 
 def memory(strategy, mesh) -> dict:

@@ -122,6 +122,8 @@ class Trainer:
         self.layout, self.model_fn, self.loss_fn, self.cfg = layout, model_fn, loss_fn, cfg
         if cfg.path not in PATHS:
             raise JaxparError(f"path={cfg.path!r} is unknown; use {', '.join(PATHS)}")
+        if cfg.attention not in attention.IMPLEMENTATIONS:
+            raise JaxparError(f"attention={cfg.attention!r} is unknown; use {', '.join(attention.IMPLEMENTATIONS)}")
         if cfg.nonfinite not in NONFINITE:
             raise JaxparError(f"nonfinite={cfg.nonfinite!r} is unknown; use stop (raise NonFiniteStep) or skip (drop the step's update)")
         # which path places the collectives, and why; decided when the step is first traced
