@@ -74,6 +74,24 @@ def local_sequences(batch, layout):
     return {key: cut(x) for key, x in batch.items()}
 
 
+def check_heads(layout, weights: dict):
+    """Refuse, before anything runs, weights whose query or key/value heads (``weights``: path ->
+    (logical names, shape)) a device cannot split over the layout's all-to-all axes."""
+    ways = math.prod(layout.mesh.shape[a] for a in layout.a2a_axes)
+    for path, (names, shape) in weights.items():
+        for dim, name in enumerate(names):
+            if name not in ("heads", "kv_heads"):
+                continue
+            split = math.prod(layout.mesh.shape[a] for a in layout.axes_of(name))
+            local = shape[dim] // split if shape[dim] >= split else 1  # fewer kv heads than tensor shards: one each
+            if local % ways:
+                raise LayoutError(
+                    f"weight {'/'.join(map(str, path))} has {shape[dim]} {name} ({local} per device after tensor parallelism), "
+                    f"which the all-to-all over {'/'.join(layout.a2a_axes)} cannot split {ways} ways: attention is split by "
+                    f"heads there. Use an all-to-all degree that divides {local} (context_algorithm=hybrid with a smaller a2a=), "
+                    f"or context_algorithm=ring")
+
+
 def attention(q, k, v, mask: att.Mask, layout, implementation: str, block_q: int, block_kv: int, interpret: bool):
     """``attention.attention`` on this device's positions of a sequence split over the layout's
     context axes (q, k, v and the segment ids as this device holds them)."""

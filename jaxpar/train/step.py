@@ -39,7 +39,7 @@ from jaxpar.train import check as check_lib
 from jaxpar.train import grad_sync, gspmd, reductions, remat
 from jaxpar.train.accumulate import accumulate, accumulator_bytes, local_microbatches
 from jaxpar.train.placement import BatchPlacement
-from jaxpar.train.state import ShardedState, TrainState, abstract_model, flatten, make_optimizer, nest
+from jaxpar.train.state import ShardedState, TrainState, abstract_model, flatten, make_optimizer, nest, variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +137,9 @@ class Trainer:
         # checks every weight against the layout, before any device memory is touched
         self.sharded_state = ShardedState(layout, model_fn, self.optimizer, *abstract_model(model_fn))
         self.placement = BatchPlacement(layout, cfg.microbatches)
+        if layout.a2a_axes:  # the all-to-all splits attention by heads
+            shapes = {p: v.get_value().shape for p, v in variables(self.abstract).items()}
+            context_attention.check_heads(layout, {p: (self.written_names[p], shapes[p]) for p in shapes})
         self.grad_sync = grad_sync.resolve(cfg, layout)  # None: exact
         self.pipeline, self.schedule, self.program = self._pipeline()
         # per weight: the mesh axes its gradient is reduced over, and where (reductions.ReductionPlan)
@@ -193,6 +196,7 @@ class Trainer:
             with use_layout(self.layout), jax.sharding.use_abstract_mesh(explicit_mesh), record_model_calls() as calls:
                 jax.eval_shape(probe, avals(params), avals(batch))
         used = sorted(set(calls))
+        self._check_attention_called(used)
         if self.path is None:
             if used or self.pipeline is not None:
                 self.path = "manual"
@@ -209,6 +213,14 @@ class Trainer:
         if self.path == "gspmd":
             self._check_gspmd()
         return self.path
+
+    def _check_attention_called(self, calls):
+        """Under context parallelism, refuse a model that never called jaxpar's attention op."""
+        if (self.layout.ring_axes or self.layout.a2a_axes) and "attention" not in calls:
+            raise LayoutError(
+                f"the layout splits the sequence over {'/'.join(self.layout.axes_of('length'))} (context parallelism), but "
+                f"the model never calls jaxpar.attention.attention: attention of its own would see only this device's "
+                f"positions. Call jaxpar.attention.attention(q, k, v, mask) in the model, or drop context=")
 
     def _check_gspmd(self):
         """Refuse what only the manual path does."""
@@ -262,11 +274,7 @@ class Trainer:
             else:  # per-device bytes of the buffer the micro-batch loop carries (the memory report reads it)
                 losses, acc, self.accumulator_bytes = accumulate(
                     jax.value_and_grad(objective), varying, micro, lambda g: reduce(g, "micro"), plans, layout)
-        if split_sequence and "attention" not in calls:
-            raise LayoutError(
-                f"the layout splits the sequence over {'/'.join(layout.axes_of('length'))} (context parallelism), but the "
-                f"model never calls jaxpar.attention.attention: attention of its own would see only this device's "
-                f"positions. Call jaxpar.attention.attention(q, k, v, mask) in the model, or drop context=")
+        self._check_attention_called(calls)
         loss = jax.lax.psum(jnp.sum(losses), layout.loss_axes) if layout.loss_axes else jnp.sum(losses)
         if self.pipeline is not None:
             return loss, reduce(reduce(acc, "micro"), "final")
