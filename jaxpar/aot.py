@@ -82,7 +82,11 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     n = len(target.devices)
     _, dcn = split_ici_dcn(strategy.spec, topology.num_slices)
     layout = build_layout(strategy, target.devices, num_slices=topology.num_slices)
-    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, TrainConfig(compute_dtype=compute_dtype, remat=remat))
+    # a TPU pod runs JAX's splash kernel (this host's backend, the CPU, would choose blockwise), so
+    # the compiled memory is the pod's; lengths splash cannot tile take blockwise
+    attention = "splash" if target.compiler == "tpu" and seq_len % 128 == 0 else "blockwise"
+    train_cfg = TrainConfig(compute_dtype=compute_dtype, remat=remat, attention=attention)
+    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, train_cfg)
     trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"), seq_len)
     batch = trainer.abstract_batch(batch_size, seq_len)
     try:
@@ -130,6 +134,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
         "strategy": str(strategy),
         "compiler": target.compiler,
         "compiler_note": target.note,
+        "attention": attention,
         "batch_size": batch_size,
         "seq_len": seq_len,
         "memory_per_chip": {
@@ -196,7 +201,7 @@ def format_report(report: dict) -> str:
     lines = [
         f"{report['model']} ({report['num_params'] / 1e9:.2f}B weights) on {report['topology']} ({report['chips']} chips), "
         f"strategy {report['strategy']}, batch {report['batch_size']} x {report['seq_len']}",
-        f"compiled by {compiler}",
+        f"compiled by {compiler}; attention {report['attention']}",
         "",
         f"memory per chip: {'fits' if mem['fits'] else 'DOES NOT FIT'} ({gib(mem['peak']).strip()} of {gib(mem['hbm']).strip()} HBM)",
     ]

@@ -17,7 +17,8 @@ Implementations (``implementation=``):
 
 - ``naive``: materialises the (q_len, kv_len) scores; the reference.
 - ``blockwise``: pure JAX, blocks of queries x blocks of keys with an online softmax, memory linear
-  in the length. Its backward is a ``jax.custom_vjp`` that recomputes each block's probabilities
+  in the length (a sequence within one block runs the naive code: the same computation). Its
+  backward is a ``jax.custom_vjp`` that recomputes each block's probabilities
   from the saved log-sum-exp (FlashAttention-2): left to autodiff, the loops would save every
   block's probabilities and the backward would be quadratic in memory again. Blocks that causal, a
   window or a block mask leave empty are found at trace time (when the offsets are Python ints)
@@ -312,6 +313,8 @@ def _whole(q, k, v, mask: Mask, implementation: str, block_q: int, block_kv: int
     if impl == "cudnn":
         w = None if mask.window is None else (mask.window[0], 0)
         return jax.nn.dot_product_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]), is_causal=mask.causal or w is not None, local_window_size=w, implementation="cudnn")
+    if impl == "blockwise" and q.shape[1] <= block_q and k.shape[1] <= block_kv:
+        impl = "naive"  # one block is the whole score matrix: the same computation, without the loops
     out, _ = attention_chunk(q, k, v, mask, implementation=impl, block_q=block_q, block_kv=block_kv)
     return out.astype(q.dtype)
 
@@ -412,7 +415,23 @@ def _lists(plan: np.ndarray):
     for i, row in enumerate(plan):
         cols = np.nonzero(row)[0]
         idx[i, : len(cols)] = cols
-    return idx, counts  # numpy: made into constants where used (a closed-over tracer would leak from the custom VJP)
+    return idx, counts
+
+
+UNROLL = 4  # a row of at most this many blocks, known at trace time, is written out: no while loop
+
+
+def _visit(lists, i, step, init):
+    """``step(j, carry)`` over the blocks j that row ``i`` of a plan's ``lists`` visits: written
+    out where ``i`` is a Python int and the row short, else a while loop of the row's trip count."""
+    idx, count = lists
+    if isinstance(i, int) and count[i] <= UNROLL:
+        carry = init
+        for t in range(int(count[i])):
+            carry = step(int(idx[i, t]), carry)
+        return carry
+    idx, count = jnp.asarray(idx), jnp.asarray(count)  # constants made here: a closed-over tracer would leak from the custom VJP
+    return jax.lax.fori_loop(0, count[i], lambda t, carry: step(idx[i, t], carry), init)
 
 
 def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
@@ -433,7 +452,6 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
         return (_grouped(q, kh).reshape(b, nq // bq, bq, kh, h // kh, d), k.reshape(b, -1, bk, kh, d), v.reshape(b, -1, bk, kh, d))
 
     def forward(q, k, v, seg_q, seg_kv, q_off, kv_off):
-        kv_idx, kv_count = (jnp.asarray(x) for x in kv_lists)
         b, nq, h, d = q.shape
         qb, kb, vb = blocks(q, k, v)
         kh, g = qb.shape[3], qb.shape[4]
@@ -441,9 +459,8 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
         def q_block(i):
             qi = qb[:, i]
 
-            def step(t, carry):
+            def step(j, carry):
                 m, l, acc = carry
-                j = kv_idx[i, t]
                 s, _ = scores(qi, kb[:, j], i, j, seg_q, seg_kv, q_off, kv_off)
                 m_new = jnp.maximum(m, s.max(-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all masked so far: exp(-inf) = 0
@@ -454,11 +471,13 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
 
             ins = (q, k, v, seg_q, seg_kv, q_off, kv_off)
             init = (full_varying((b, kh, g, bq), -jnp.inf, *ins), full_varying((b, kh, g, bq), 0.0, *ins), full_varying((b, kh, g, bq, d), 0.0, *ins))
-            # only the kv blocks the plan keeps: a while loop whose trip count is this row's
-            m, l, acc = jax.lax.fori_loop(0, kv_count[i], step, init)
+            m, l, acc = _visit(kv_lists, i, step, init)  # only the kv blocks the plan keeps
             return _finish(jnp.where(jnp.isfinite(m), m, 0.0), l, acc)
 
-        outs, lses = jax.lax.map(q_block, jnp.arange(nq // bq))  # (nq, b, kh, g, bq[, d])
+        if nq == bq:  # one query block: no loop
+            outs, lses = jax.tree.map(lambda x: x[None], q_block(0))
+        else:
+            outs, lses = jax.lax.map(q_block, jnp.arange(nq // bq))  # (nq, b, kh, g, bq[, d])
         return outs.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq, h, d), lses.transpose(1, 0, 4, 2, 3).reshape(b, nq, h)
 
     @jax.custom_vjp
@@ -472,7 +491,6 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
     def run_bwd(res, cts):
         q, k, v, seg_q, seg_kv, q_off, kv_off, out, lse = res
         dout, dlse = cts
-        q_idx, q_count = (jnp.asarray(x) for x in q_lists)
         b, nq, h, d = q.shape
         qb, kb, vb = blocks(q, k, v)
         kh, g = qb.shape[3], qb.shape[4]
@@ -488,9 +506,8 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
         def kv_block(dq, j):
             kj, vj = kb[:, j], vb[:, j]
 
-            def step(t, carry):
+            def step(i, carry):
                 dk, dv, dq = carry
-                i = q_idx[j, t]
                 qi, doi = qb[:, i], dob[:, i]
                 s, ok = scores(qi, kj, i, j, seg_q, seg_kv, q_off, kv_off)
                 p = jnp.where(ok, jnp.exp(s - lse_b[:, i][..., None]), 0.0)  # recomputed from the saved lse
@@ -502,10 +519,15 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
                 return dk, dv, dq
 
             zero = full_varying((b, bk, kh, d), 0.0, q, k, v, dout, seg_q, seg_kv, q_off, kv_off)
-            dk, dv, dq = jax.lax.fori_loop(0, q_count[j], step, (zero, zero, dq))
+            dk, dv, dq = _visit(q_lists, j, step, (zero, zero, dq))
             return dq, (dk, dv)
 
-        dq, (dk, dv) = jax.lax.scan(kv_block, full_varying(qb.shape, 0.0, q, k, v, dout, seg_q, seg_kv, q_off, kv_off), jnp.arange(k.shape[1] // bk))
+        dq0 = full_varying(qb.shape, 0.0, q, k, v, dout, seg_q, seg_kv, q_off, kv_off)
+        if k.shape[1] == bk:  # one key block: no loop
+            dq, (dk, dv) = kv_block(dq0, 0)
+            dk, dv = dk[None], dv[None]
+        else:
+            dq, (dk, dv) = jax.lax.scan(kv_block, dq0, jnp.arange(k.shape[1] // bk))
         unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(k.shape)
         return (dq.reshape(q.shape).astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), None, None, None, None)
 

@@ -54,6 +54,11 @@ def _train_parser(sub):
     p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 keeps float32 master weights")
     p.add_argument("--grad-reduce-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype gradients are summed across devices in")
     p.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="what the backward pass recomputes")
+    p.add_argument("--packing", default="off", choices=["on", "off"],
+                   help="on: rows of whole documents with segment ids, loss over real tokens; off: windows of the text")
+    p.add_argument("--dcp", default="off", choices=["on", "off"],
+                   help="data-centric parallel: batches of whole documents, each step's lengths choose its context "
+                        "degrees (--seq-len: positions per device; --batch-size: documents per step)")
     p.add_argument("--attention", default="auto", choices=["auto", "naive", "blockwise", "splash", "cudnn"],
                    help="attention implementation (auto: splash on TPU, cuDNN on GPU where the mask allows, else blockwise)")
     p.add_argument("--context-algorithm", choices=["ring", "all-to-all", "hybrid"],
@@ -250,6 +255,8 @@ def _train(args) -> int:
     )
     from jaxpar.train.step import TrainConfig
 
+    if args.dcp == "on":
+        return _train_dcp(args, topology)
     checkpoint = None
     given = {k: v for k, v in (("every", args.checkpoint_every), ("keep", args.keep_checkpoints)) if v is not None}
     if args.checkpoint_dir:
@@ -263,7 +270,7 @@ def _train(args) -> int:
     strategy = args.strategy + (f",context_algorithm={args.context_algorithm}" if args.context_algorithm else "")
     run = RunConfig(
         model=args.model, strategy=strategy, steps=args.steps, batch_size=args.batch_size,
-        seq_len=args.seq_len, seed=args.seed, explicit=frozenset(pipeline_flags),
+        seq_len=args.seq_len, seed=args.seed, explicit=frozenset(pipeline_flags), packing=args.packing == "on",
         train=TrainConfig(
             learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, remat=args.remat, microbatches=args.microbatches, **pipeline_flags,
             attention=args.attention,
@@ -290,6 +297,33 @@ def _train(args) -> int:
     if report["interrupted"]:
         return EXIT_ON_SIGNAL[report["interrupted"]]
     return EXIT_FAILED if report["nonfinite"] else EXIT_OK
+
+
+def _train_dcp(args, topology) -> int:
+    """``jaxpar train --dcp on``: the main job's documents under data-centric parallel."""
+    from jaxpar.errors import JaxparError
+    from jaxpar.models import llama, model_config
+    from jaxpar.train import data, dcp
+    from jaxpar.train.loop import write_json_atomically
+    from jaxpar.train.step import TrainConfig
+
+    ignored = [flag for flag, given in (("--strategy", args.strategy != "fsdp=4,tensor=2"), ("--checkpoint-dir", args.checkpoint_dir),
+                                        ("--packing", args.packing == "on"), ("--context-algorithm", args.context_algorithm)) if given]
+    if ignored:
+        raise JaxparError(f"--dcp on chooses the layout of every step itself (data and context over all devices, whole documents); "
+                          f"drop {', '.join(ignored)}")
+    cfg = model_config(args.model)
+    docs = data.documents(data.split_corpus(data.corpus_tokens())[0])
+    train_cfg = TrainConfig(learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, total_steps=args.steps,
+                            compute_dtype=args.compute_dtype, attention=args.attention)
+    report = dcp.train(lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, cfg, docs, steps=args.steps,
+                       batch_size=args.batch_size, capacity=args.seq_len, memory_budget=0.5 * topology.hbm_bytes, seed=args.seed,
+                       cfg=train_cfg)
+    ratios = ", ".join(f"{kind} {ratio:.2f}" for kind, ratio in report["imbalance"].items())
+    print(f"programs (context degree, remat): {report['programs']}\nwork imbalance per device (max / mean, mean over steps): {ratios}")
+    if args.metrics_json:
+        write_json_atomically(args.metrics_json, report)
+    return EXIT_OK
 
 
 class _Terminated(BaseException):

@@ -170,8 +170,9 @@ def embed_lookup(table, tokens, out_names: Names, table_names: Names = ("vocab",
     return reduce_partial(rows, (table_names[0],), out_names)
 
 
-def cross_entropy(logits, targets, names: Names = ("batch", "length", "vocab")):
-    """Mean next-token cross-entropy in float32, exact when the vocabulary dim is sharded."""
+def cross_entropy(logits, targets, names: Names = ("batch", "length", "vocab"), weights=None):
+    """Mean next-token cross-entropy in float32, exact when the vocabulary dim is sharded;
+    ``weights`` (shaped like ``targets``) scale each token's loss first (0 leaves padding out)."""
     logits = logits.astype(jnp.float32)
     vocab_dim = logits.ndim - 1
     peak = sum_over(jax.lax.stop_gradient(logits), names, [vocab_dim], op="max")  # for stability only
@@ -180,4 +181,5 @@ def cross_entropy(logits, targets, names: Names = ("batch", "length", "vocab")):
     offset = shard_offset(names, vocab_dim, logits.shape[vocab_dim])
     hit = jax.nn.one_hot(targets - offset, logits.shape[vocab_dim], dtype=logits.dtype)
     picked = sum_over(shifted * hit, names, [vocab_dim])
-    return jnp.mean(log_total - picked)
+    losses = log_total - picked
+    return jnp.mean(losses if weights is None else losses * weights)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxpar.analysis import memory, traffic
+from jaxpar.attention import CAUSAL
+from jaxpar.collectives import context_attention
 from jaxpar.train.loop import interruption_message
 from jaxpar.train.step import nonfinite_message
 
@@ -20,7 +22,7 @@ def step_report(trainer, compiled, strategy, cfg, batch_shape: tuple[int, int]) 
     """The report's ``memory`` and ``communication`` fields for a run's compiled step: bytes per
     device measured and from the ZeRO table, and collectives per step against the optimum
     (``run_training``'s ``analyze``)."""
-    return {
+    report = {
         "memory": {
             "measured_bytes_per_device": memory.measured_memory(trainer, compiled),
             "zero_table_bytes_per_device": memory.zero_table(trainer, strategy),
@@ -28,6 +30,25 @@ def step_report(trainer, compiled, strategy, cfg, batch_shape: tuple[int, int]) 
         },
         "communication": traffic.compare(compiled.as_text(), trainer, strategy, batch_shape, cfg),
     }
+    layout = trainer.layout
+    if layout.ring_axes or layout.a2a_axes:
+        report["context"] = context_report(layout, report["communication"], batch_shape[1], cfg)
+    return report
+
+
+def context_report(layout, communication: dict, length: int, cfg) -> dict:
+    """Context parallelism's part of the report: ring and all-to-all bytes per layer against
+    their formulas, and each device's causal attention work (query-key pairs per head and row,
+    whole kernel blocks) with the zigzag, next to a contiguous split's."""
+    size = lambda axes: int(np.prod([layout.mesh.shape[a] for a in axes]))  # noqa: E731
+    ring, a2a = size(layout.ring_axes), size(layout.a2a_axes)
+    per_layer = {kind: {"measured_bytes": communication[kind]["measured_bytes"] / cfg.layers,
+                        "formula_bytes": communication[kind]["optimal_bytes"] / cfg.layers}
+                 for kind in ("collective-permute", "all-to-all") if kind in communication}
+    work = context_attention.rank_work(CAUSAL, length, ring, a2a)
+    contiguous = context_attention.rank_work(CAUSAL, length, ring, a2a, zigzag=False)
+    return {"ring": ring, "a2a": a2a, "per_layer": per_layer, "attention_work_per_device": work.tolist(),
+            "imbalance": float(work.max() / work.mean()), "contiguous_imbalance": float(contiguous.max() / contiguous.mean())}
 
 
 def format_summary(report: dict) -> str:
@@ -88,4 +109,12 @@ def format_summary(report: dict) -> str:
         lines.append(f"    {name:32s} x{row['count']:<5d} {row['bytes_per_device']:14,.0f}")
     if "note" in comm:
         lines.append(f"  ({comm['note']})")
+    if "context" in report:
+        ctx = report["context"]
+        parts = [f"{name} over {ctx[key]} devices" for name, key in (("ring", "ring"), ("all-to-all", "a2a")) if ctx[key] > 1]
+        lines += ["", f"context parallelism: {' and '.join(parts)}; per layer and device"]
+        for kind, row in ctx["per_layer"].items():
+            lines.append(f"  {kind:22s} {row['measured_bytes']:14,.0f} bytes   formula {row['formula_bytes']:14,.0f}")
+        lines.append(f"  causal attention work per device, max / mean: {ctx['imbalance']:.3f} with the zigzag "
+                     f"({ctx['contiguous_imbalance']:.3f} for contiguous chunks)")
     return "\n".join(lines)

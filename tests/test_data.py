@@ -120,3 +120,32 @@ def test_process_batch_reads_each_held_row_range_once(tokens, strategy, ranges):
     assert batch.sharding == trainer.batch_sharding(batch)
     # one request per distinct row range the devices hold: replicated rows are read once
     assert asked == [(i * 16 // ranges, (i + 1) * 16 // ranges) for i in range(ranges)]
+
+
+# --- packed documents ------------------------------------------------------------------------------
+
+
+def test_packed_rows_hold_whole_documents_with_their_own_positions(tokens):
+    docs = data.documents(tokens)
+    batch = data.packed_batch_at(docs, step=3, batch_size=4, seq_len=256, seed=0)
+    plan = data.packing_plan([len(d) for d in docs], 3, 4, 256, 0)
+    for key in batch:
+        np.testing.assert_array_equal(batch[key][1:3], data.packed_batch_at(docs, 3, 4, 256, 0, 1, 3)[key])  # a process's rows
+    real = 0
+    for row, held in enumerate(plan):
+        for segment, (doc, take) in enumerate(held, start=1):
+            at = batch["segments"][row] == segment
+            piece = docs[doc][:take]
+            np.testing.assert_array_equal(batch["inputs"][row][at], piece[:-1])
+            np.testing.assert_array_equal(batch["targets"][row][at], piece[1:])
+            np.testing.assert_array_equal(batch["positions"][row][at], np.arange(take - 1))
+            real += take - 1
+    assert max(len(held) for held in plan) >= 3  # rows really are packed
+    # weights: zero on padding, and a mean over all slots that is the mean over real tokens
+    assert np.all(batch["weights"][batch["segments"] == 0] == 0)
+    assert batch["weights"].sum() == pytest.approx(4 * 256 * np.count_nonzero(batch["segments"]) / real)
+
+
+def test_documents_are_the_runs_between_blank_lines():
+    stream = np.frombuffer(b"one doc\n\ntwo\nlines\n\nx\n\nlast", np.uint8).astype(np.int32)
+    assert [bytes(d.astype(np.uint8)) for d in data.documents(stream)] == [b"one doc", b"two\nlines", b"last"]

@@ -82,8 +82,12 @@ def oracle(model_fn, loss_fn, host_batches, cfg=CFG):
 
 
 def sharded(strategy, model_fn, loss_fn, host_batches, cfg=CFG):
-    """The layout's training from the oracle's initial weights: (losses, first gradients, final weights)."""
-    trainer = Trainer(build_layout(parse_strategy(strategy, 8)), model_fn, loss_fn, cfg, optimizer=OPTIMIZER)
+    """The layout's training from the oracle's initial weights: (losses, first gradients, final weights).
+    ``strategy``: a strategy string, or a Trainer made with OPTIMIZER (whose compiled step a test reads after)."""
+    if isinstance(strategy, Trainer):
+        trainer = strategy
+    else:
+        trainer = Trainer(build_layout(parse_strategy(strategy, 8)), model_fn, loss_fn, cfg, optimizer=OPTIMIZER)
     start, shardings = initial_weights(model_fn), trainer.state_shardings
     state = TrainState(jax.device_put(start, shardings.params), jax.device_put(OPTIMIZER.init(start), shardings.opt_state),
                        jax.device_put(np.int32(0), shardings.step))

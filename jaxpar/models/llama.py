@@ -114,12 +114,13 @@ class Llama(nnx.Module):
 
 def loss_fn(model: Llama, batch):
     """Next-token cross-entropy on (batch, length + 1) tokens, or on a dict of (batch, length)
-    arrays ``inputs``, ``targets``, ``positions`` and optionally ``segments`` (the form a batch
-    takes under context parallelism, where each device holds some positions of every row)."""
+    arrays ``inputs``, ``targets``, ``positions`` and optionally ``segments`` and ``weights``
+    (packed documents, ``train.data.packed_batch_at``; also the form a batch takes under context
+    parallelism, where each device holds some positions of every row)."""
     if not isinstance(batch, dict):
         batch = {"inputs": batch[:, :-1], "targets": batch[:, 1:]}
     logits = model(batch["inputs"], batch.get("positions"), batch.get("segments"))
-    return cross_entropy(logits, batch["targets"], LOGITS)
+    return cross_entropy(logits, batch["targets"], LOGITS, batch.get("weights"))
 
 
 def pipeline_pieces(cfg: LlamaConfig):

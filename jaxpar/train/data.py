@@ -10,6 +10,10 @@ UTF-8. The same Python version gives the same bytes; other versions may differ s
 Tokens are the UTF-8 bytes themselves (vocabulary 256). A batch is a pure function of
 ``(seed, step)``, so a restarted job reads the exact same data order, and any process can compute
 its own rows of the global batch without building the others.
+
+Two forms of batch: random windows of the token stream (``batch_at``), or whole documents (the
+docstrings, split where the corpus has a blank line) packed into rows (``packed_batch_at``), each
+keeping its natural length, with segment ids and per-document positions.
 """
 
 from __future__ import annotations
@@ -151,3 +155,77 @@ def local_batch_at(
     rng = np.random.default_rng((seed, step))
     starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)[row_start:row_stop]
     return tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+
+
+# --- packed documents ------------------------------------------------------------------------------
+
+SEPARATOR = (10, 10)  # the blank line between two documents of the corpus
+
+
+def documents(tokens: np.ndarray) -> list[np.ndarray]:
+    """The documents of a token stream: the runs between blank lines (of at least 2 tokens)."""
+    tokens = np.asarray(tokens)
+    breaks = np.nonzero((tokens[:-1] == SEPARATOR[0]) & (tokens[1:] == SEPARATOR[1]))[0]
+    starts = np.concatenate([[0], breaks + 2])
+    stops = np.concatenate([breaks, [len(tokens)]])
+    return [tokens[a:b] for a, b in zip(starts, stops) if b - a >= 2]
+
+
+def packing_plan(lengths, step: int, batch_size: int, seq_len: int, seed: int) -> list[list[tuple[int, int]]]:
+    """Per row of the global batch at ``step``: the (document, tokens taken) it holds. Documents
+    are drawn in a seeded order and each goes whole into the first row with room for it (first
+    fit; a document longer than a row gives its first seq_len + 1 tokens); a document no row has
+    room for is left for another step. A pure function of ``(seed, step)`` and the lengths."""
+    order = np.random.default_rng((seed, step, 1)).permutation(len(lengths))
+    rows: list[list[tuple[int, int]]] = []
+    free: list[int] = []  # predictions left in each row: a document of n tokens makes n - 1
+    for doc in order:
+        take = min(int(lengths[doc]), seq_len + 1)
+        row = next((r for r, room in enumerate(free) if room >= take - 1), None)
+        if row is None:
+            if len(rows) == batch_size:
+                continue
+            rows.append([])
+            free.append(seq_len)
+            row = len(rows) - 1
+        rows[row].append((int(doc), take))
+        free[row] -= take - 1
+        if len(rows) == batch_size and max(free) < 1:
+            break
+    if len(rows) < batch_size:
+        raise JaxparError(f"the corpus's {len(lengths)} documents fill {len(rows)} rows of {seq_len} tokens, fewer than the "
+                          f"batch of {batch_size}; use a smaller --batch-size or --seq-len")
+    return rows
+
+
+def packed_batch_at(docs: list[np.ndarray], step: int, batch_size: int, seq_len: int, seed: int,
+                    row_start: int = 0, row_stop: int | None = None) -> dict:
+    """Rows ``[row_start, row_stop)`` of the packed global batch at ``step`` (``packing_plan``),
+    each a dict of (rows, seq_len) arrays: ``inputs`` and ``targets`` (int32), ``positions``
+    (from 0 in each document), ``segments`` (1, 2, ... per document in its row; 0 is padding)
+    and ``weights`` (float32: 0 on padding, else the global batch's slots over its real targets,
+    so the mean over every slot of weight x loss is the mean over the real tokens)."""
+    row_stop = batch_size if row_stop is None else row_stop
+    plan = packing_plan([len(d) for d in docs], step, batch_size, seq_len, seed)
+    real = sum(take - 1 for row in plan for _, take in row)
+    out = {key: np.zeros((row_stop - row_start, seq_len), np.int32) for key in ("inputs", "targets", "positions", "segments")}
+    out["weights"] = np.zeros((row_stop - row_start, seq_len), np.float32)
+    for i, row in enumerate(plan[row_start:row_stop]):
+        at = 0
+        for segment, (doc, take) in enumerate(row, start=1):
+            piece, n = docs[doc][:take], take - 1
+            out["inputs"][i, at:at + n], out["targets"][i, at:at + n] = piece[:-1], piece[1:]
+            out["positions"][i, at:at + n] = np.arange(n)
+            out["segments"][i, at:at + n] = segment
+            out["weights"][i, at:at + n] = batch_size * seq_len / real
+            at += n
+    return out
+
+
+def documents_at(docs: list[np.ndarray], step: int, count: int, seed: int, max_tokens: int) -> list[np.ndarray]:
+    """``count`` whole documents for ``step`` (a seeded draw, a pure function of seed and step),
+    each cut to at most ``max_tokens`` tokens: a batch of variable-length sequences."""
+    if count > len(docs):
+        raise JaxparError(f"a batch of {count} documents needs that many; the corpus has {len(docs)}: use a smaller --batch-size")
+    picked = np.random.default_rng((seed, step, 2)).choice(len(docs), size=count, replace=False)
+    return [docs[i][:max_tokens] for i in picked]

@@ -40,6 +40,7 @@ class RunConfig:
     batch_size: int = 16
     seq_len: int = 128
     seed: int = 0
+    packing: bool = False  # rows of whole documents (train.data.packed_batch_at), not windows of the stream
     train: TrainConfig = TrainConfig()
     # TrainConfig fields set on purpose even where they equal the default (the CLI's flags): like
     # any other non-default value, they are refused when the layout would ignore them
@@ -277,11 +278,16 @@ def run_training(
         ckpt = Checkpointer(checkpoint) if checkpoint else None
 
     state, start, resumed = _start_state(trainer, run, ckpt, resume, log)
-    example = trainer.abstract_batch(run.batch_size, run.seq_len)
+    example = trainer.abstract_batch(run.batch_size, run.seq_len, packed=run.packing)
     compiled = trainer.jit_step(example).lower(state, example).compile()
     meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": layout.mesh.size, "processes": jax.process_count()}
+    if run.packing:  # whole documents packed into rows
+        train, held = data.documents(tokens), data.documents(held_out)
+        rows_at = data.packed_batch_at
+    else:  # random windows of the token stream
+        train, held, rows_at = tokens, held_out, data.local_batch_at
     batch_of = lambda corpus, step: trainer.put_process_batch(  # noqa: E731
-        run.batch_size, lambda a, b: data.local_batch_at(corpus, step, run.batch_size, run.seq_len, run.seed, a, b)
+        run.batch_size, lambda a, b: rows_at(corpus, step, run.batch_size, run.seq_len, run.seed, a, b)
     )
     # the job's figures so far (checkpoints saved before they were kept hold none)
     history = (resumed or {}).get("history", {"losses": [], "grad_norms": [], "step_times_s": []})
@@ -295,7 +301,7 @@ def run_training(
     catch = catch_signals and jax.process_count() == 1 and threading.current_thread() is threading.main_thread()
     with StopSignals(catch) as stop:
         for step in range(start, run.steps):
-            batch = batch_of(tokens, step)
+            batch = batch_of(train, step)
             report_progress("start", step + 1)  # from here on, this process waits for the others in collectives
             began = time.perf_counter()
             try:
@@ -341,7 +347,7 @@ def run_training(
     if not stop.name:  # an interrupted run stops here, without the evaluation
         # the compiled step's loss is the loss at the weights it is given (before its update): one
         # more call of it on a held-out batch, whose updated state is dropped, costs no compile
-        held_out_loss = _scalar(compiled(state, batch_of(held_out, 0))[1]["loss"])
+        held_out_loss = _scalar(compiled(state, batch_of(held, 0))[1]["loss"])
     steady = times[1:] or times or [float("nan")]
     tokens_per_s = run.batch_size * run.seq_len / float(np.median(steady))
     analysis = analyze(trainer, compiled, strategy, cfg, (run.batch_size, run.seq_len)) if analyze else {}

@@ -33,11 +33,13 @@ class BatchPlacement:
     def sharding(self, batch) -> Any:
         return jax.tree.map(lambda _: self._leaf, batch)
 
-    def abstract(self, batch_size: int, seq_len: int):
+    def abstract(self, batch_size: int, seq_len: int, packed: bool = False):
         """A (batch_size, seq_len + 1) int32 token batch as a sharded ShapeDtypeStruct, for
-        compiling a step without data."""
-        shape = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
-        return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=self.sharding(shape))
+        compiling a step without data; ``packed``: the dict ``train.data.packed_batch_at`` makes."""
+        if packed:
+            dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "positions": jnp.int32, "segments": jnp.int32, "weights": jnp.float32}
+            return {k: jax.ShapeDtypeStruct((batch_size, seq_len), t, sharding=self._leaf) for k, t in dtypes.items()}
+        return jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=self._leaf)
 
     def check(self, batch, length: int | None = None):
         """Refuse a batch the layout cannot split; ``length``: its sequence length where the batch
@@ -77,11 +79,11 @@ class BatchPlacement:
     def put_process(self, batch_size: int, rows: Callable[[int, int], Any]):
         """Build a global batch of ``batch_size`` rows of which this process makes only its own.
 
-        ``rows(start, stop)`` returns rows ``[start, stop)`` of the global batch as a host array.
-        It is called for the row ranges held by this process's devices (in order), so with
-        several processes each one reads only its shard of the data."""
+        ``rows(start, stop)`` returns rows ``[start, stop)`` of the global batch as a host array
+        (or a dict of them). It is called for the row ranges held by this process's devices (in
+        order), so with several processes each one reads only its shard of the data."""
         self.check(np.zeros((batch_size, 1)))
         held = self._leaf.addressable_devices_indices_map((batch_size,)).values()
         ranges = sorted({(index[0].start or 0, batch_size if index[0].stop is None else index[0].stop) for index in held})
-        local = np.concatenate([rows(start, stop) for start, stop in ranges])
-        return jax.make_array_from_process_local_data(self._leaf, local, (batch_size,) + local.shape[1:])
+        local = jax.tree.map(lambda *parts: np.concatenate(parts), *[rows(start, stop) for start, stop in ranges])
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self._leaf, x, (batch_size,) + x.shape[1:]), local)

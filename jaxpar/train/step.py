@@ -235,11 +235,13 @@ class Trainer:
             raise LayoutError(f"{' and '.join(asked)} needs jaxpar's manual step, but {self.path_reason}. "
                               f"Write the model with jaxpar's model-facing calls (jaxpar.nn), or drop {asked[0]}")
 
-    def _local_grads(self, params, batch, seed=None):
+    def _local_grads(self, params, batch, seed=None, plans=None):
         """Runs on every device inside shard_map: mean loss and reduced gradient shards (under a
         compressed sync, the weights in ``self._buckets`` are left for ``grad_fn`` to all-reduce).
-        ``seed``: the compressed sync's dither seed this step."""
-        layout, cfg, plans = self.layout, self.cfg, self._plans
+        ``seed``: the compressed sync's dither seed this step; ``plans``: other reductions than
+        the layout's (``local_grad_fn``: none)."""
+        layout, cfg = self.layout, self.cfg
+        plans = self._plans if plans is None else plans
         k = cfg.microbatches
         shards = layout.loss_shards * k
         split_sequence = bool(layout.ring_axes or layout.a2a_axes)
@@ -286,6 +288,34 @@ class Trainer:
                 f"with jaxpar.nn.reduce_partial(x, contracted_names, output_names)"
             )
         return loss, reduce(acc, "final")
+
+    def local_grad_fn(self):
+        """(params, batch) -> (mean loss, each device's own unreduced gradient, stacked on a new
+        leading dim split over every device of the mesh), for a caller that adds the gradients of
+        several programs and reduces them once (data-centric parallel, ``train/dcp.py``). Only for
+        layouts that store every weight whole (data and context axes)."""
+        layout = self.layout
+        split = sorted({a for names in self.names.values() for name in names for a in layout.axes_of(name, "param")})
+        if split:
+            raise LayoutError(f"local_grad_fn needs every weight stored whole, but this layout splits weights over {split}; "
+                              f"use data and context axes only")
+        devices = tuple(a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1)
+        unreduced = {p: reductions.ReductionPlan([], [], [], ()) for p in self._plans}
+        dtypes = {"compute_dtype": self.cfg.compute_dtype, "grad_reduce_dtype": self.cfg.grad_reduce_dtype}
+
+        def run(params, batch):
+            with use_layout(layout, manual=True, **dtypes), attention.use_implementation(self.cfg.attention):
+                loss, grads = self._local_grads(params, batch, plans=unreduced)
+            return loss, jax.tree.map(lambda g: g[None], grads)
+
+        def fn(params, batch):
+            if self.choose_path(params, batch) != "manual":
+                raise LayoutError(f"local_grad_fn runs jaxpar's manual step, but {self.path_reason}")
+            out_specs = (PartitionSpec(), jax.tree.map(lambda _: PartitionSpec(devices or None), params))
+            with _manual_errors():
+                return jax.shard_map(run, mesh=layout.mesh, in_specs=(self.param_specs, self.placement.spec), out_specs=out_specs)(params, batch)
+
+        return fn
 
     def _clip(self, grads):
         """(global norm, gradients clipped to ``cfg.clip_norm``)."""

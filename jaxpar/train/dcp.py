@@ -1,0 +1,269 @@
+"""Data-centric parallel (DCP): a batch of variable-length sequences runs with the parallel settings
+its lengths call for, and updates the weights exactly as one device would.
+
+Per step, on N devices whose weights are stored whole (the data and context axes; AdamW state
+replicated):
+
+1. **Buckets.** A device holds at most ``capacity`` token positions of a row. Sequences that fit
+   are packed into rows of ``capacity`` positions (first fit, longest first) and run data parallel
+   (context=1). A longer one runs alone in a row of ``capacity x c`` positions, c the smallest
+   power of two that holds it, with context parallelism c (the ring): every device again holds
+   ``capacity`` positions.
+2. **Balance.** Each bucket's rows go to its N/c data groups, the most work first to the least
+   loaded group (attention work is quadratic in a document's length, so a row's work is not its
+   length), then every group is padded with empty rows to the same count.
+3. **Accumulation and remat per bucket**, from an analytic memory model: a device's activations
+   for one call are ``rows x capacity x bytes_per_token`` (the Llama's saved activations per
+   token, or one residual per layer under ``remat=full``); calls take as many rows as fit in
+   ``memory_budget`` bytes, with remat only where one row would not fit without it.
+4. **Programs.** Each (context degree, remat) is one ``Trainer`` and each call shape one compiled
+   program, compiled once and reused across steps. A program returns every device's own unreduced
+   gradient; they are added on each device, then reduced once over all devices, clipped and
+   applied. Each token's loss is weighted by the global batch's real-token count, so the update
+   equals that of the same batch on one device (or under a static layout).
+
+``imbalance`` measures what this buys: the largest device's useful work (matmul FLOPs of its real
+tokens plus the attention FLOPs of their within-document pairs) over the mean, for this plan, for
+static context parallelism (rows of the longest length, split c ways, dealt out in order) and for
+plain packing (data parallel rows of the longest length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.errors import JaxparError
+from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.train.step import TrainConfig, Trainer, TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One program's share of a step: ``rows[g]`` the rows data group g runs, each row a list of
+    sequence indices packed into it, ``length`` positions per row, split ``context`` ways."""
+
+    context: int
+    length: int
+    rows: tuple  # per data group: tuple of rows, each a tuple of sequence indices
+    rows_per_call: int
+    remat: str
+
+    @property
+    def calls(self) -> int:
+        return len(self.rows[0]) // self.rows_per_call
+
+
+def sequence_work(n: int, cfg) -> float:
+    """Useful training FLOPs of one sequence of n tokens (n - 1 predictions): 6 per weight per
+    token in the matmuls, and 3 x 4 x heads x head_dim per causal query-key pair per layer."""
+    matmul = cfg.flops_per_token(0) * (n - 1)
+    attention = 3 * 4 * cfg.layers * cfg.heads * cfg.head_dim * (n - 1) * n / 2
+    return matmul + attention
+
+
+def bytes_per_token(cfg, remat: str, compute_bytes: int = 4) -> float:
+    """The activations one token position keeps for the backward pass, per device (analytic)."""
+    if remat != "none":
+        return cfg.layers * cfg.embed * compute_bytes  # the layer's input, recomputed from
+    per_layer = 8 * cfg.embed + 2 * cfg.heads * cfg.head_dim + 4 * cfg.kv_heads * cfg.head_dim + 3 * cfg.mlp
+    return cfg.layers * per_layer * compute_bytes + cfg.vocab_size * 4  # + the float32 logits
+
+
+def plan(lengths, num_devices: int, capacity: int, cfg, memory_budget: float) -> list[Bucket]:
+    """The buckets of a batch of sequences of these lengths (module doc, points 1 to 3)."""
+    lengths = [int(n) for n in lengths]
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n - 1 > capacity * num_devices:
+            raise JaxparError(f"a sequence of {n} tokens does not fit on {num_devices} devices of {capacity} positions each "
+                              f"(at most {capacity * num_devices + 1} tokens); raise the capacity or cut the sequence")
+        c = 1
+        while n - 1 > capacity * c:
+            c *= 2
+        if num_devices % c:
+            raise JaxparError(f"a sequence of {n} tokens needs context parallelism {c}, which does not divide {num_devices} devices")
+        groups.setdefault(c, []).append(i)
+    buckets = []
+    load = np.zeros(num_devices)  # useful work dealt to each device so far
+    for c in sorted(groups, reverse=True):  # the longest first: the short rows then fill around them
+        members = sorted(groups[c], key=lambda i: -lengths[i])
+        if c == 1:  # first fit, longest first
+            rows: list[list[int]] = []
+            free: list[int] = []
+            for i in members:
+                slot = next((r for r, f in enumerate(free) if f >= lengths[i] - 1), None)
+                if slot is None:
+                    rows.append([])
+                    free.append(capacity)
+                    slot = len(rows) - 1
+                rows[slot].append(i)
+                free[slot] -= lengths[i] - 1
+        else:
+            rows = [[i] for i in members]
+        dealt = _deal(rows, c, load, lambda row: sum(sequence_work(lengths[i], cfg) for i in row))
+        remat = "none" if capacity * bytes_per_token(cfg, "none") <= memory_budget else "full"
+        fit = max(1, int(memory_budget // (capacity * bytes_per_token(cfg, remat))))
+        per_group = len(dealt[0])
+        calls = math.ceil(per_group / fit)
+        per_call = math.ceil(per_group / calls)
+        padded = tuple(tuple(g) + ((),) * (per_call * calls - len(g)) for g in dealt)
+        buckets.append(Bucket(c, capacity * c, padded, per_call, remat))
+    return sorted(buckets, key=lambda b: b.context)
+
+
+def _deal(rows, context: int, load: np.ndarray, work) -> list[list]:
+    """Rows to the data groups of ``context`` devices each, the most work first to the group whose
+    busiest device has the least (``load``, per device, is updated); then equal counts."""
+    groups = len(load) // context
+    dealt = [[] for _ in range(groups)]
+    for row in sorted(rows, key=lambda r: -work(r)):
+        g = min(range(groups), key=lambda k: (load[k * context:(k + 1) * context].max(), len(dealt[k])))
+        dealt[g].append(tuple(row))
+        load[g * context:(g + 1) * context] += work(row) / context
+    most = max(len(d) for d in dealt)
+    return [d + [()] * (most - len(d)) for d in dealt]
+
+
+def imbalance(lengths, num_devices: int, capacity: int, cfg, memory_budget: float, static_context: int) -> dict[str, float]:
+    """max / mean useful work per device for this plan, static context parallelism and packing."""
+    lengths = [int(n) for n in lengths]
+    work = lambda row: sum(sequence_work(lengths[i], cfg) for i in row)  # noqa: E731
+    per_device = np.zeros(num_devices)
+    for bucket in plan(lengths, num_devices, capacity, cfg, memory_budget):
+        for g, rows in enumerate(bucket.rows):
+            per_device[g * bucket.context:(g + 1) * bucket.context] += sum(work(r) for r in rows) / bucket.context
+    longest = max(lengths) - 1
+
+    def static(c):
+        packed = _first_fit(lengths, math.ceil(longest / c) * c)
+        devices = np.zeros(num_devices)
+        for k, row in enumerate(packed):  # in order, as a data loader deals them
+            g = k % (num_devices // c)
+            devices[g * c:(g + 1) * c] += work(row) / c
+        return devices
+
+    ratio = lambda d: float(d.max() / d.mean())  # noqa: E731
+    return {"dcp": ratio(per_device), f"static context={static_context}": ratio(static(static_context)), "packing": ratio(static(1))}
+
+
+def _first_fit(lengths, row_length: int) -> list[list[int]]:
+    rows, free = [], []
+    for i, n in enumerate(lengths):
+        slot = next((r for r, f in enumerate(free) if f >= n - 1), None)
+        if slot is None:
+            rows.append([])
+            free.append(row_length)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        free[slot] -= n - 1
+    return rows
+
+
+class DataCentricTrainer:
+    """Trains ``model_fn`` on batches of variable-length sequences (lists of 1-D int token arrays)
+    over ``devices`` (default: all), by the plan above. ``cfg.remat`` is chosen per bucket."""
+
+    def __init__(self, model_fn, loss_fn, model_cfg, cfg: TrainConfig = TrainConfig(), *, capacity: int,
+                 memory_budget: float, devices=None, optimizer=None):
+        self.devices = list(devices if devices is not None else jax.devices())
+        self.model_fn, self.loss_fn, self.model_cfg, self.cfg = model_fn, loss_fn, model_cfg, cfg
+        self.capacity, self.memory_budget = capacity, memory_budget
+        self._trainers: dict[tuple[int, str], Trainer] = {}
+        self._programs: dict[tuple[int, str], object] = {}  # jitted: each call shape compiles once
+        self.base = self._trainer(1, cfg.remat)  # holds the state: every weight whole on every device
+        self.optimizer = optimizer or self.base.optimizer
+        self._flat = NamedSharding(jax.sharding.Mesh(np.array(self.devices), ("devices",)), PartitionSpec("devices"))
+        self._apply = jax.jit(self._apply_fn, donate_argnums=(0,))
+
+    def _trainer(self, context: int, remat: str) -> Trainer:
+        key = (context, remat)
+        if key not in self._trainers:
+            n = len(self.devices)
+            layout = build_layout(parse_strategy(f"data={n // context},context={context}", n), self.devices)
+            self._trainers[key] = Trainer(layout, self.model_fn, self.loss_fn, dataclasses.replace(self.cfg, remat=remat, microbatches=1))
+        return self._trainers[key]
+
+    def init(self, seed: int = 0) -> TrainState:
+        state = self.base.init(seed=seed)
+        return TrainState(state.params, self.optimizer.init(state.params), state.step)
+
+    def plan(self, sequences) -> list[Bucket]:
+        return plan([len(s) for s in sequences], len(self.devices), self.capacity, self.model_cfg, self.memory_budget)
+
+    def gradients(self, params, sequences):
+        """(mean loss over the real tokens, the gradient reduced over all devices) of a batch."""
+        real = sum(len(s) - 1 for s in sequences)
+        loss, stacked = 0.0, None
+        for bucket in self.plan(sequences):
+            key = (bucket.context, bucket.remat)
+            trainer = self._trainer(*key)
+            if key not in self._programs:
+                self._programs[key] = jax.jit(trainer.local_grad_fn())
+            for call in range(bucket.calls):
+                rows = [row for g in bucket.rows for row in g[call * bucket.rows_per_call:(call + 1) * bucket.rows_per_call]]
+                batch = _rows_batch(sequences, rows, bucket.length, real)
+                part, grads = self._programs[key](params, trainer.put_batch(batch))
+                grads = jax.device_put(grads, jax.tree.map(lambda _: self._flat, grads))  # the same devices, one layout
+                loss = loss + part
+                stacked = grads if stacked is None else jax.tree.map(jnp.add, stacked, grads)
+        return loss, jax.tree.map(lambda g: jnp.sum(g, axis=0), stacked)  # the one reduction, over every device
+
+    def _apply_fn(self, state: TrainState, grads):
+        norm = optax.tree.norm(grads)
+        if self.cfg.clip_norm:
+            grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, self.cfg.clip_norm / jnp.maximum(norm, 1e-30)), grads)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), norm
+
+    def step(self, state: TrainState, sequences):
+        loss, grads = self.gradients(state.params, sequences)
+        state, norm = self._apply(state, grads)
+        return state, {"loss": loss, "grad_norm": norm}
+
+
+def _rows_batch(sequences, rows, length: int, real: int) -> dict:
+    """The dict batch of these rows (each a tuple of sequence indices, packed in order) at
+    ``length`` positions, each token's loss weighted by the global batch's ``real`` tokens."""
+    out = {k: np.zeros((len(rows), length), np.int32) for k in ("inputs", "targets", "positions", "segments")}
+    out["weights"] = np.zeros((len(rows), length), np.float32)
+    for r, row in enumerate(rows):
+        at = 0
+        for segment, i in enumerate(row, start=1):
+            s, n = np.asarray(sequences[i]), len(sequences[i]) - 1
+            out["inputs"][r, at:at + n], out["targets"][r, at:at + n] = s[:-1], s[1:]
+            out["positions"][r, at:at + n] = np.arange(n)
+            out["segments"][r, at:at + n] = segment
+            out["weights"][r, at:at + n] = len(rows) * length / real
+            at += n
+    return out
+
+
+def train(model_fn, loss_fn, model_cfg, docs, *, steps: int, batch_size: int, capacity: int, memory_budget: float,
+          seed: int = 0, cfg: TrainConfig = TrainConfig(), log=print) -> dict:
+    """The main job under DCP (``jaxpar train --dcp on``): each step ``batch_size`` of the corpus's
+    documents (``data.documents_at``, at most ``capacity`` x devices + 1 tokens each), planned,
+    run and applied; the report holds the losses and, over all steps' batches, the work imbalance
+    of the plans against static context parallelism and plain packing."""
+    from jaxpar.train import data  # the corpus; the planner above needs only lengths
+
+    trainer = DataCentricTrainer(model_fn, loss_fn, model_cfg, cfg, capacity=capacity, memory_budget=memory_budget)
+    n = len(trainer.devices)
+    state, losses, ratios = trainer.init(seed), [], []
+    for step in range(steps):
+        batch = data.documents_at(docs, step, batch_size, seed, capacity * n + 1)
+        # static context parallelism must hold the longest document the stream may bring: context=n
+        ratios.append(imbalance([len(s) for s in batch], n, capacity, model_cfg, memory_budget, static_context=n))
+        contexts = sorted({b.context for b in trainer.plan(batch)})
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        log(f"step {step + 1}/{steps}: loss {losses[-1]:.4f}, {len(batch)} documents of {min(len(s) for s in batch)}-"
+            f"{max(len(s) for s in batch)} tokens, context degrees {contexts}")
+    return {"losses": losses, "programs": sorted(trainer._programs),
+            "imbalance": {kind: float(np.mean([r[kind] for r in ratios])) for kind in ratios[0]}}
