@@ -82,11 +82,9 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     n = len(target.devices)
     _, dcn = split_ici_dcn(strategy.spec, topology.num_slices)
     layout = build_layout(strategy, target.devices, num_slices=topology.num_slices)
-    # The blockwise kernel, named here: a CPU host's "auto" would keep it anyway. JAX 0.10's splash
-    # kernel cannot run inside the step's shard_map yet: its pallas_call declares no varying mesh
-    # axes for its outputs, which shard_map's type checks (check_vma, which the step's gradients
-    # rely on) require.
-    attention = "blockwise"
+    # a TPU pod runs JAX's splash kernel (this host's backend, the CPU, would choose blockwise), so
+    # the compiled memory is the pod's; lengths splash cannot tile take blockwise
+    attention = "splash" if target.compiler == "tpu" and seq_len % 128 == 0 else "blockwise"
     train_cfg = TrainConfig(compute_dtype=compute_dtype, remat=remat, attention=attention)
     trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, train_cfg)
     trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"), seq_len)

@@ -60,14 +60,49 @@ _IMPLEMENTATION: contextvars.ContextVar[str] = contextvars.ContextVar("jaxpar_at
 
 @contextlib.contextmanager
 def use_implementation(name: str):
-    """Make ``name`` the implementation of every ``attention`` call inside that names none."""
+    """Make ``name`` the implementation of every ``attention`` call inside that names none (where
+    that may be splash, its kernels' outputs are typed for shard_map: ``_splash_outputs_typed``)."""
     if name not in IMPLEMENTATIONS:
         raise JaxparError(f"unknown attention implementation {name!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
     token = _IMPLEMENTATION.set(name)
+    splash = name == "splash" or (name == "auto" and jax.default_backend() == "tpu")
+    try:
+        with _splash_outputs_typed() if splash else contextlib.nullcontext():
+            yield
+    finally:
+        _IMPLEMENTATION.reset(token)
+
+
+@contextlib.contextmanager
+def _splash_outputs_typed():
+    """While a step is traced (its backward too): every ``pallas_call`` output that declares no
+    varying mesh axes is typed to vary over every axis its inputs vary over, as a per-device
+    kernel's output does. JAX 0.10's splash kernel declares none, and inside the step's shard_map
+    (check_vma, on which the step's gradient types rest) pallas_call refuses such outputs."""
+    from jax._src.core import ManualAxisType  # the type of an aval's varying axes; no public name yet
+    from jax.experimental import pallas as pl
+
+    original = pl.pallas_call
+
+    def typed(kernel, out_shape=None, **kwargs):
+        def call(*operands):
+            mat = ManualAxisType(varying=frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(operands))))
+
+            def declare(shape):
+                if isinstance(shape, jax.ShapeDtypeStruct) and shape.manual_axis_type is None:
+                    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, manual_axis_type=mat)
+                return shape
+
+            shapes = jax.tree.map(declare, out_shape, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+            return original(kernel, shapes, **kwargs)(*operands)
+
+        return call
+
+    pl.pallas_call = typed
     try:
         yield
     finally:
-        _IMPLEMENTATION.reset(token)
+        pl.pallas_call = original
 
 
 # --- the mask description ------------------------------------------------------------------------

@@ -287,3 +287,22 @@ def test_splash_in_interpret_mode_equals_naive():
     for mask in (A.Mask(window=(5, 3)).with_segments(seg), block_diffusion(4, 16)):
         out = A.attention(q, k, v, mask, implementation="splash", block_q=128, block_kv=128, interpret=True)
         assert error(out, A.attention(q, k, v, mask, implementation="naive")) <= TOL
+
+
+def test_splash_runs_inside_the_steps_shard_map():
+    """Inside a shard_map with its varying-axes checks on (as jaxpar's step runs the model), the
+    splash kernels' outputs are typed by ``use_implementation``; values and gradients, in Pallas's
+    interpreter, equal the naive attention's."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    r = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(r.normal(size=(8, 128, 1, 8)), jnp.float32) for _ in range(3))
+    weights = jnp.cos(jnp.arange(q.size, dtype=jnp.float32)).reshape(q.shape)
+    local = lambda q, k, v: A.attention(q, k, v, A.CAUSAL, block_q=128, block_kv=128, interpret=True)  # noqa: E731
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=P("data"))
+    with A.use_implementation("splash"):
+        grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(mapped(q, k, v) * weights), argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.grad(lambda q, k, v: jnp.sum(A.attention(q, k, v, A.CAUSAL, implementation="naive") * weights), argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(grads, ref):
+        assert error(got, want) <= TOL

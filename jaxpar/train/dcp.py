@@ -17,7 +17,8 @@ replicated):
    token, or one residual per layer under ``remat=full``); calls take as many rows as fit in
    ``memory_budget`` bytes, with remat only where one row would not fit without it.
 4. **Programs.** Each (context degree, remat) is one ``Trainer`` and each call shape one compiled
-   program, compiled once and reused across steps. A program returns every device's own unreduced
+   program, compiled once and reused across steps (rows per call are powers of two, so the shapes
+   are few). A program returns every device's own unreduced
    gradient; they are added on each device, then reduced once over all devices, clipped and
    applied. Each token's loss is weighted by the global batch's real-token count, so the update
    equals that of the same batch on one device (or under a static layout).
@@ -111,8 +112,10 @@ def plan(lengths, num_devices: int, capacity: int, cfg, memory_budget: float) ->
         remat = "none" if capacity * bytes_per_token(cfg, "none") <= memory_budget else "full"
         fit = max(1, int(memory_budget // (capacity * bytes_per_token(cfg, remat))))
         per_group = len(dealt[0])
-        calls = math.ceil(per_group / fit)
-        per_call = math.ceil(per_group / calls)
+        # rows per call a power of two: the call shapes, and so the compiled programs, are few
+        # and come back from step to step
+        per_call = min(2 ** (fit.bit_length() - 1), 2 ** math.ceil(math.log2(per_group)))
+        calls = math.ceil(per_group / per_call)
         padded = tuple(tuple(g) + ((),) * (per_call * calls - len(g)) for g in dealt)
         buckets.append(Bucket(c, capacity * c, padded, per_call, remat))
     return sorted(buckets, key=lambda b: b.context)
@@ -142,7 +145,7 @@ def imbalance(lengths, num_devices: int, capacity: int, cfg, memory_budget: floa
     longest = max(lengths) - 1
 
     def static(c):
-        packed = _first_fit(lengths, math.ceil(longest / c) * c)
+        packed = first_fit(lengths, math.ceil(longest / c) * c)
         devices = np.zeros(num_devices)
         for k, row in enumerate(packed):  # in order, as a data loader deals them
             g = k % (num_devices // c)
@@ -153,7 +156,7 @@ def imbalance(lengths, num_devices: int, capacity: int, cfg, memory_budget: floa
     return {"dcp": ratio(per_device), f"static context={static_context}": ratio(static(static_context)), "packing": ratio(static(1))}
 
 
-def _first_fit(lengths, row_length: int) -> list[list[int]]:
+def first_fit(lengths, row_length: int) -> list[list[int]]:
     rows, free = [], []
     for i, n in enumerate(lengths):
         slot = next((r for r, f in enumerate(free) if f >= n - 1), None)
@@ -208,7 +211,7 @@ class DataCentricTrainer:
                 self._programs[key] = jax.jit(trainer.local_grad_fn())
             for call in range(bucket.calls):
                 rows = [row for g in bucket.rows for row in g[call * bucket.rows_per_call:(call + 1) * bucket.rows_per_call]]
-                batch = _rows_batch(sequences, rows, bucket.length, real)
+                batch = rows_batch(sequences, rows, bucket.length, real)
                 part, grads = self._programs[key](params, trainer.put_batch(batch))
                 grads = jax.device_put(grads, jax.tree.map(lambda _: self._flat, grads))  # the same devices, one layout
                 loss = loss + part
@@ -228,7 +231,7 @@ class DataCentricTrainer:
         return state, {"loss": loss, "grad_norm": norm}
 
 
-def _rows_batch(sequences, rows, length: int, real: int) -> dict:
+def rows_batch(sequences, rows, length: int, real: int) -> dict:
     """The dict batch of these rows (each a tuple of sequence indices, packed in order) at
     ``length`` positions, each token's loss weighted by the global batch's ``real`` tokens."""
     out = {k: np.zeros((len(rows), length), np.int32) for k in ("inputs", "targets", "positions", "segments")}
