@@ -42,7 +42,7 @@ def main():
             continue
         topology = load_topology(topology_name)
         batch = (args.batch_per_chip or per_chip) * topology.num_chips
-        report = compile_report(model, topology, strategy, batch, args.seq_len or seq, remat="full")
+        report = compile_report(model, topology, strategy, batch, args.seq_len or seq)
         print(format_report(report))
         best = min([{"strategy": report["strategy"], **report["roofline"]}, *report["alternatives"]], key=lambda r: r["step_s"])
         measured = f"{100 * maxtext:.2f}% measured by MaxText" if maxtext else "no MaxText figure published for this pair"

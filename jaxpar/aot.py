@@ -21,7 +21,7 @@ from jaxpar.mesh import dcn_misplaced, split_ici_dcn
 from jaxpar.models import llama, model_config
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.topology import Topology
-from jaxpar.train.loop import check_at_least, check_fits_fully_sharded, check_model_axes, state_bytes_per_chip
+from jaxpar.train.loop import check_at_least, check_fits_fully_sharded, check_model_axes, check_writable, write_text_atomically
 from jaxpar.train.step import TrainConfig, Trainer
 
 
@@ -66,27 +66,40 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def compile_report(model, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, remat: str = "full", compute_dtype: str = "bfloat16", alternatives: int = 3) -> dict:
+# what a pod step compiles with unless told otherwise: bf16 compute (float32 master weights) and full
+# remat, as MaxText's published plans; gradients are still reduced in float32 unless asked
+POD_DEFAULTS = TrainConfig(compute_dtype="bfloat16", remat="full")
+
+
+def compile_report(model, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, cfg: TrainConfig = POD_DEFAULTS,
+                   alternatives: int = 3, dump_hlo: str | os.PathLike | None = None) -> dict:
     """Compile the training step for ``topology`` and report fit, traffic, cost and estimates.
 
-    ``model``: a config name (``tiny``, ``llama2-7b``...) or a ``LlamaConfig``."""
+    ``model``: a config name (``tiny``, ``llama2-7b``...) or a ``LlamaConfig``; ``cfg``: every
+    option of the step as ``jaxpar train`` takes it (dtypes, remat, micro-batches, attention;
+    ``attention="auto"`` is splash on a TPU pod). ``dump_hlo``: a directory to write the compiled
+    program's text into."""
 
     name = model if isinstance(model, str) else "the model"
     check_at_least("--batch-size", batch_size, 1)
     check_at_least("--seq-len", seq_len, 1)
-    cfg = model if isinstance(model, llama.LlamaConfig) else model_config(model)
-    check_fits_fully_sharded(cfg.num_params(), topology, name)
+    model_cfg = model if isinstance(model, llama.LlamaConfig) else model_config(model)
+    check_fits_fully_sharded(model_cfg.num_params(), topology, name)
     strategy = parse_strategy(strategy_text, topology.num_chips)  # before the (slow) TPU compiler is loaded
     check_model_axes(strategy, name)
+    if dump_hlo is not None:
+        check_writable(str(dump_hlo), "--dump-hlo", directory=True)
     target = target_for(topology)
     n = len(target.devices)
     _, dcn = split_ici_dcn(strategy.spec, topology.num_slices)
     layout = build_layout(strategy, target.devices, num_slices=topology.num_slices)
-    # a TPU pod runs JAX's splash kernel (this host's backend, the CPU, would choose blockwise), so
-    # the compiled memory is the pod's; lengths splash cannot tile take blockwise
-    attention = "splash" if target.compiler == "tpu" and seq_len % 128 == 0 else "blockwise"
-    train_cfg = TrainConfig(compute_dtype=compute_dtype, remat=remat, attention=attention)
-    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, train_cfg)
+    attention = cfg.attention
+    if attention == "auto":
+        # a TPU pod runs JAX's splash kernel (this host's backend, the CPU, would choose blockwise), so
+        # the compiled memory is the pod's; lengths splash cannot tile take blockwise
+        attention = "splash" if target.compiler == "tpu" and seq_len % 128 == 0 else "blockwise"
+    train_cfg = dataclasses.replace(cfg, attention=attention, memory_bytes=topology.hbm_bytes)
+    trainer = Trainer(layout, lambda rngs: llama.Llama(model_cfg, rngs=rngs), llama.loss_fn, train_cfg)
     trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"), seq_len)
     batch = trainer.abstract_batch(batch_size, seq_len)
     try:
@@ -101,14 +114,16 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
             f"Try regather=on (FSDP gathers each layer again instead of keeping every layer's weights), a "
             f"smaller --batch-size or --seq-len, or more sharding (tensor, fsdp)"
         ) from None
+    if dump_hlo is not None:
+        write_text_atomically(os.path.join(dump_hlo, "step.hlo.txt"), compiled.as_text())
 
     stats = compiled.memory_analysis()
     peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes + stats.generated_code_size_in_bytes
     dcn_axes = tuple(a for a, d in dcn.items() if d > 1)
     cols = hlo.collectives(compiled.as_text(), layout.mesh, dcn_axes, topology.num_slices)
     rows = [(c.kind, c.bytes_per_step, any(dcn[a] > 1 for a in c.mesh_axes)) for c in cols]
-    model_flops = cfg.flops_per_token(seq_len) * batch_size * seq_len
-    estimate = roofline.estimate(model_flops, rows, topology, n, roofline.RECOMPUTE[remat])
+    model_flops = model_cfg.flops_per_token(seq_len) * batch_size * seq_len
+    estimate = roofline.estimate(model_flops, rows, topology, n, roofline.RECOMPUTE[train_cfg.remat])
     cost = compiled.cost_analysis() or {}
     by_link = {}
     for c, (_, sent, crosses) in zip(cols, rows):
@@ -128,13 +143,16 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     return {
         "dcn_warnings": misplaced,
         "model": model if isinstance(model, str) else "custom",
-        "num_params": cfg.num_params(),
+        "num_params": model_cfg.num_params(),
         "topology": topology.name,
         "chips": n,
         "strategy": str(strategy),
         "compiler": target.compiler,
         "compiler_note": target.note,
         "attention": attention,
+        "options": {"compute_dtype": train_cfg.compute_dtype, "grad_reduce_dtype": train_cfg.grad_reduce_dtype,
+                    "remat": train_cfg.remat, "microbatches": train_cfg.microbatches},
+        "fsdp_policy": {"regather": trainer.regather, "reason": trainer.regather_reason},
         "batch_size": batch_size,
         "seq_len": seq_len,
         "memory_per_chip": {
@@ -146,14 +164,14 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
             "peak": peak,
             "hbm": topology.hbm_bytes,
             "fits": peak <= topology.hbm_bytes,
-            **state_bytes_per_chip(trainer),
+            **trainer.stored_bytes_per_device(),
             "zero_table": memory.zero_table(trainer, strategy),
         },
         "collectives": by_link,
         "compiler_cost_analysis": {k: cost.get(k) for k in ("flops", "bytes accessed", "optimal_seconds")},
         "model_flops_per_step": model_flops,
         "roofline": estimate.as_dict(),
-        "alternatives": rank_alternatives(trainer, strategy, topology, cfg, batch_size, seq_len, alternatives),
+        "alternatives": rank_alternatives(trainer, strategy, topology, model_cfg, batch_size, seq_len, alternatives),
     }
 
 
@@ -201,7 +219,10 @@ def format_report(report: dict) -> str:
     lines = [
         f"{report['model']} ({report['num_params'] / 1e9:.2f}B weights) on {report['topology']} ({report['chips']} chips), "
         f"strategy {report['strategy']}, batch {report['batch_size']} x {report['seq_len']}",
-        f"compiled by {compiler}; attention {report['attention']}",
+        f"compiled by {compiler}; attention {report['attention']}, "
+        + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in report["options"].items()),
+        f"FSDP: {'weights gathered again for the backward pass' if report['fsdp_policy']['regather'] else 'gathered weights kept for the backward pass'} "
+        f"({report['fsdp_policy']['reason']})",
         "",
         f"memory per chip: {'fits' if mem['fits'] else 'DOES NOT FIT'} ({gib(mem['peak']).strip()} of {gib(mem['hbm']).strip()} HBM)",
     ]

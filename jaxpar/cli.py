@@ -157,12 +157,22 @@ def _bench(args) -> int:
 def _compile_parser(sub):
     p = sub.add_parser("compile", help="compile the training step for a topology ahead of time and report fit, traffic and estimated speed")
     p.add_argument("--model", default="llama2-7b")
-    p.add_argument("--topology", default="tpu-v5p-256")
-    p.add_argument("--strategy", default="fsdp=-1")
+    p.add_argument("--topology", default="tpu-v5p-256", help="a TPU slice by name (v5p-64, v5e-16, 2xv5p-64...), a name from jaxpar/meshes/ or a TOML file")
+    p.add_argument("--strategy", default="fsdp=-1", help='parallel spec and options, e.g. "fsdp=-1,regather=auto" (as for train)')
     p.add_argument("--batch-size", type=int, default=256, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=2048)
+    # every option of train's that changes the compiled program, with a pod's defaults (bf16, full remat)
     p.add_argument("--remat", default="full", choices=["none", "full", "dots"])
-    p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"], help="bfloat16 keeps float32 master weights")
+    p.add_argument("--grad-reduce-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype gradients are summed across devices in (bfloat16 halves the reduction bytes)")
+    p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps (with stage=N: pipeline micro-batches)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b"], help="pipeline schedule when the strategy has stage=N")
+    p.add_argument("--chunks", type=int, help="layer chunks per stage (interleaved-1f1b)")
+    p.add_argument("--attention", default="auto", choices=["auto", "naive", "blockwise", "splash", "cudnn"],
+                   help="attention implementation (auto: splash on a TPU pod where the length tiles, else blockwise)")
+    p.add_argument("--context-algorithm", choices=["ring", "all-to-all", "hybrid"], help="attention across a sequence split by context=N")
+    p.add_argument("--dump-hlo", metavar="DIR", help="write the compiled program's text to DIR/step.hlo.txt")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     return p
 
@@ -174,12 +184,20 @@ def _compile(args) -> int:
     if topology.platform != "tpu":
         _simulate_cpu_devices(topology.num_chips)
     from jaxpar.aot import compile_report, format_report
-    from jaxpar.train.loop import check_writable, write_json_atomically
+    from jaxpar.train.loop import check_at_least, check_writable, write_json_atomically
+    from jaxpar.train.step import TrainConfig
 
     if args.json:
         check_writable(args.json, "--json")
-    report = compile_report(args.model, topology, args.strategy, args.batch_size, args.seq_len, args.remat, args.compute_dtype)
+    check_at_least("--microbatches", args.microbatches, 1)
+    pipeline_flags = {k: v for k, v in (("schedule", args.schedule), ("chunks", args.chunks)) if v is not None}
+    cfg = TrainConfig(remat=args.remat, compute_dtype=args.compute_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
+                      microbatches=args.microbatches, attention=args.attention, **pipeline_flags)
+    strategy = args.strategy + (f",context_algorithm={args.context_algorithm}" if args.context_algorithm else "")
+    report = compile_report(args.model, topology, strategy, args.batch_size, args.seq_len, cfg, dump_hlo=args.dump_hlo)
     print(format_report(report))
+    if args.dump_hlo:
+        print(f"\ncompiled program written to {args.dump_hlo}/step.hlo.txt")
     if args.json:
         write_json_atomically(args.json, report)
     return EXIT_OK

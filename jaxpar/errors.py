@@ -6,6 +6,11 @@ kind that is not about input: the job ran and could not finish.
 """
 
 
+def size_text(num_bytes: float) -> str:
+    """Bytes as a message says them: GiB from one GiB up, else MiB."""
+    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
 class JaxparError(ValueError):
     """Base class: bad input from the user, with the culprit and the fix in the message."""
 

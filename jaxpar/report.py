@@ -60,6 +60,7 @@ def format_summary(report: dict) -> str:
     lines = [
         f"model {report['model']} ({report['num_params']:,} params)  topology {report['topology']}  strategy {report['strategy']}{processes}",
         f"path {report['path']['name']}: {report['path']['reason']}",
+        f"FSDP: {'regather' if report['fsdp_policy']['regather'] else 'keep'} ({report['fsdp_policy']['reason']})",
         "",
         f"loss curve (step: loss){f', resumed after step {first}' if first else ''}",
     ]

@@ -62,7 +62,9 @@ class Layout:
     param: Rules
     optimizer: Rules
     grad: Rules
-    regather: bool = False  # FSDP: gather weights again in the backward pass instead of keeping them
+    # FSDP: gather weights again in the backward pass instead of keeping them; None: auto, the
+    # trainer chooses by memory (parallel/fsdp.py's choose_regather)
+    regather: bool | None = False
     dcn_axes: tuple[str, ...] = ()  # mesh axes that cross the slow links between slices / nodes
     # logical axes kept whole (replicated) where a dim is shorter than its mesh axes and they are a
     # multiple of it: GQA's key/value heads under a tensor degree above their count (as Megatron does)

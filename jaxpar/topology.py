@@ -1,4 +1,5 @@
-"""Topologies: the hardware a layout runs on, read from ``jaxpar/meshes/<name>.toml`` or from JAX's devices.
+"""Topologies: the hardware a layout runs on, read from ``jaxpar/meshes/<name>.toml``, built from a TPU
+slice name (``v5p-64``, ``2xv5p-64``: the table in ``jaxpar/tpu_slices.py``), or from JAX's devices.
 
 The TOML schema is documented in ``jaxpar/meshes/README.md``. Files use vendor units (GB/s, GiB, TFLOP/s);
 a ``Topology`` holds SI base units (bytes, bytes/s, FLOP/s) so that cost models never convert.
@@ -14,6 +15,7 @@ import tomllib
 from dataclasses import dataclass
 
 from jaxpar.errors import TopologyError
+from jaxpar.tpu_slices import GENERATIONS, parse_slice_name
 
 PLATFORMS = ("cpu", "tpu", "gpu")
 GB, GIB, TERA = 1e9, 2**30, 1e12
@@ -82,14 +84,20 @@ def list_topologies() -> list[str]:
 
 
 def load_topology(name_or_path: str | os.PathLike) -> Topology:
-    """Load a topology by name (``"tpu-v5p-256"``, from ``meshes_dir()``) or by path to a .toml file."""
+    """Load a topology by name (``"tpu-v5p-256"``, from ``meshes_dir()``), by TPU slice name
+    (``"v5p-64"``, ``"2xv5p-64"``: see ``tpu_slice``) or by path to a .toml file.
+
+    A file in ``meshes_dir()`` wins over a slice of the same name, so a custom file can replace one."""
     s = str(name_or_path)
     looks_like_path = s.endswith(".toml") or os.sep in s or "/" in s
     path = pathlib.Path(s) if looks_like_path else meshes_dir() / f"{s}.toml"
     if not path.is_file():
         if looks_like_path:
             raise TopologyError(f"topology file {path} does not exist; give an existing .toml file")
-        raise TopologyError(_unknown_name(s))
+        slice_topology = tpu_slice(s)
+        if slice_topology is None:
+            raise TopologyError(_unknown_name(s))
+        return slice_topology
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:  # its message names the line and column
@@ -97,14 +105,43 @@ def load_topology(name_or_path: str | os.PathLike) -> Topology:
     return _from_dict(data, path)
 
 
+def tpu_slice(name: str) -> Topology | None:
+    """The Topology of a Cloud TPU slice by Google's name: ``"v5p-64"`` (32 chips: v4 and v5p names
+    count TensorCores), ``"v5e-16"`` (16 chips: v5e and v6e names count chips), ``"2xv5p-64"`` (two
+    slices over DCN). None when ``name`` is not shaped like a slice name; TopologyError listing the
+    valid ones when it is but names no generation or size in ``jaxpar.tpu_slices.GENERATIONS``."""
+    parsed = parse_slice_name(name)
+    if parsed is None:
+        return None
+    g, shape, num_slices = parsed
+    return Topology(
+        name=name, platform="tpu", chip=f"tpu-{g.name}",
+        num_chips=math.prod(shape) * num_slices, ici_shape=shape, dcn_shape=(num_slices,),
+        ici_bandwidth=g.ici_bandwidth_gbps * GB, ici_links_per_chip=g.ici_links_per_chip,
+        dcn_bandwidth=g.dcn_bandwidth_gbps * GB,
+        hbm_bytes=int(g.hbm_gib * GIB), hbm_bandwidth=g.hbm_bandwidth_gbps * GB,
+        peak_bf16_flops=g.peak_bf16_tflops * TERA,
+        tpu_topology=f"{g.name}:{'x'.join(map(str, shape))}", source="jaxpar/tpu_slices.py",
+    )
+
+
 def _unknown_name(name: str) -> str:
     known = list_topologies()
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+    bare = name.removeprefix("tpu-")  # a file-style name for a slice that has no file
+    try:
+        is_slice = bare != name and parse_slice_name(bare) is not None
+    except TopologyError:  # shaped like a slice name, but not one in the table
+        is_slice = False
+    if is_slice:
+        hint = f" Did you mean the slice {bare!r}?"
+    else:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
     return (
         f"unknown topology {name!r}.{hint} Known topologies in {meshes_dir()}: "
-        f"{', '.join(known) or '(none)'}. Pass one of these, a path to a .toml file, or add "
-        f"{name}.toml there (schema in jaxpar/meshes/README.md)."
+        f"{', '.join(known) or '(none)'}. Pass one of these, a TPU slice by Google's name "
+        f"(v5p-64, v5e-16, 2xv5p-64; generations {', '.join(GENERATIONS)}), a path to a .toml file, "
+        f"or add {name}.toml there (schema in jaxpar/meshes/README.md)."
     )
 
 

@@ -117,7 +117,7 @@ def test_fsdp_traffic_on_a_pod_compile_is_2_or_3_weight_passes(regather):
 
     topology = small_pod("tpu-v5p-256", "v5p:2x2x2", (2, 2, 2))
     cfg = llama.CONFIGS["tiny"]
-    strategy = parse_strategy("fsdp=8" + (",regather=on" if regather else ""), 8)
+    strategy = parse_strategy(f"fsdp=8,regather={'on' if regather else 'off'}", 8)
     layout = build_layout(strategy, aot.tpu_devices(topology))
     trainer = Trainer(layout, lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, TrainConfig())
 
@@ -137,3 +137,64 @@ def test_fsdp_traffic_on_a_pod_compile_is_2_or_3_weight_passes(regather):
 def test_unknown_topology_names_the_culprit(capsys):
     assert cli.main(["compile", "--topology", "tpu-v7-9000"]) == 2
     assert "tpu-v7-9000" in capsys.readouterr().err
+
+
+# regather=auto: by memory, before compiling (parallel/fsdp.py's choose_regather)
+AUTO_CASES = [
+    pytest.param("tiny", "cpu-8", "fsdp=8", False, id="tiny-8-cpus-keeps"),
+    pytest.param("llama2-7b", "v5p-64", "fsdp=32", True, id="llama2-7b-32-v5p-regathers", marks=pytest.mark.tpu_aot),
+    pytest.param("llama2-7b", "v5e-256", "fsdp=256", True, id="llama2-7b-v5e-256-regathers", marks=pytest.mark.tpu_aot),
+]
+
+
+@pytest.mark.parametrize("model, topology_name, strategy, regathers", AUTO_CASES)
+def test_regather_auto_chooses_by_memory(model, topology_name, strategy, regathers):
+    import jax
+
+    topology = load_topology(topology_name)
+    if topology.platform == "tpu":
+        pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
+        devices = aot.tpu_devices(topology)
+    else:
+        devices = jax.devices()[: topology.num_chips]
+    cfg = llama.CONFIGS[model]
+    layout = build_layout(parse_strategy(strategy, len(devices)), devices)
+    train_cfg = TrainConfig(compute_dtype="bfloat16", memory_bytes=topology.hbm_bytes)
+    trainer = Trainer(layout, lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, train_cfg)
+    assert trainer.regather is regathers, trainer.regather_reason
+    # the reason names the bytes kept; keeping all layers' gathered bf16 weights costs their full size
+    layers = cfg.num_params() - 2 * cfg.vocab_size * cfg.embed - cfg.embed
+    assert trainer.sharded_state.gathered_layer_bytes(2) == pytest.approx(2 * layers, rel=1e-6)
+    assert "per chip" in trainer.regather_reason
+    # what is asked for is done, whatever the memory
+    asked = Trainer(build_layout(parse_strategy(f"{strategy},regather={'off' if regathers else 'on'}", len(devices)), devices),
+                    lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, train_cfg)
+    assert asked.regather is not regathers and "was asked for" in asked.regather_reason
+
+
+@pytest.fixture(scope="module")
+def llama2_7b_on_32_v5p_chips():
+    """llama2-7b's step for 32 v5p chips (fsdp=32, regather=auto, splash, bf16, full remat), one
+    sequence per chip, at 4096 and 8192 tokens: the two compiles (about 70 s each here) shared by
+    the tests below."""
+    pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
+    return {seq: aot.compile_report("llama2-7b", load_topology("v5p-64"), "fsdp=32", 32, seq, alternatives=0) for seq in (4096, 8192)}
+
+
+@pytest.mark.tpu_aot
+def test_long_sequences_grow_temporaries_about_linearly(llama2_7b_on_32_v5p_chips):
+    # the score matrix would grow them 4x per doubling; splash keeps them linear in the length
+    reports = llama2_7b_on_32_v5p_chips
+    assert all(r["attention"] == "splash" and r["compiler"] == "tpu" for r in reports.values())
+    temporaries = {seq: r["memory_per_chip"]["temporaries"] for seq, r in reports.items()}
+    assert temporaries[8192] / temporaries[4096] <= 2.2, temporaries
+
+
+@pytest.mark.tpu_aot
+def test_regather_auto_plan_fits_with_its_headroom(llama2_7b_on_32_v5p_chips):
+    from jaxpar.parallel import fsdp
+
+    for report in llama2_7b_on_32_v5p_chips.values():
+        assert report["fsdp_policy"]["regather"], report["fsdp_policy"]
+        mem = report["memory_per_chip"]
+        assert mem["peak"] <= (1 - fsdp.HEADROOM) * mem["hbm"], mem

@@ -1,8 +1,11 @@
-"""Topology files and their loader: every shipped file is consistent, every bad file is explained."""
+"""Topology files, TPU slice names and their loader: everything shipped is consistent, every bad name
+or file is explained."""
 import ast
+import dataclasses
 import importlib.util
 import math
 import pathlib
+import re
 
 import pytest
 
@@ -15,11 +18,14 @@ from jaxpar.topology import (
     local_topology,
     meshes_dir,
 )
+from jaxpar.tpu_slices import GENERATIONS
 
 SHIPPED = [
     "cpu-1", "cpu-4", "cpu-8", "tpu-v4-128", "tpu-v5e-256", "tpu-v5p-256", "tpu-v5p-1024",
     "tpu-v6e-256", "tpu-v5p-256x2", "tpu-v6e-256x2", "gpu-h100-8", "gpu-h100-64", "gpu-h200-8",
 ]
+TPU_FILES = [n for n in list_topologies() if n.startswith("tpu-")]
+SLICES = [name for g in GENERATIONS.values() for name in g.slices]
 
 # A valid file; each bad-input case below edits one line of it.
 GOOD = """\
@@ -213,20 +219,111 @@ def test_topology_module_does_not_import_jax_at_top_level():
     assert not [m for m in names if m == "jax" or m.startswith("jax.")]
 
 
-# --- TPU slice names, checked by libtpu where it is installed ---------------------------------
+# --- TPU slices by Google's name ---------------------------------------------------------------
 
-@pytest.mark.tpu_aot
-@pytest.mark.parametrize("name", [n for n in list_topologies() if n.startswith("tpu-")])
-def test_tpu_topology_is_accepted_by_jax(name, monkeypatch):
-    pytest.importorskip("libtpu")
+@pytest.mark.parametrize(
+    "name, chips, ici_shape, tpu_topology, slices",
+    [
+        ("v5p-64", 32, (4, 4, 2), "v5p:4x4x2", 1),  # v5p names count TensorCores, 2 per chip
+        ("v4-32", 16, (2, 2, 4), "v4:2x2x4", 1),  # so do v4 names
+        ("v5e-16", 16, (4, 4), "v5e:4x4", 1),  # v5e names count chips
+        ("v6e-128", 128, (8, 16), "v6e:8x16", 1),  # so do v6e names
+        ("2xv5p-64", 64, (4, 4, 2), "v5p:4x4x2", 2),  # two slices over DCN; tpu_topology is one
+    ],
+)
+def test_tpu_slice_by_name(name, chips, ici_shape, tpu_topology, slices):
+    t = load_topology(name)
+    assert (t.name, t.platform, t.num_chips) == (name, "tpu", chips)
+    assert (t.ici_shape, t.tpu_topology) == (ici_shape, tpu_topology)
+    assert (t.dcn_shape, t.num_slices, t.chips_per_slice) == ((slices,), slices, chips // slices)
+
+
+def file_to_slice_name(file_name: str) -> str:
+    """``tpu-v5p-256x2`` (file: count last) -> ``2xv5p-256`` (slice name: count first)."""
+    one_slice, count = re.fullmatch(r"tpu-(v\w+-\d+)(?:x(\d+))?", file_name).groups()
+    return f"{count}x{one_slice}" if count else one_slice
+
+
+@pytest.mark.parametrize("name", TPU_FILES)
+def test_shipped_tpu_file_equals_the_slice_of_its_name(name):
+    # The table and the files carry the same figures; this keeps them from drifting apart.
+    from_file = load_topology(name)
+    from_table = load_topology(file_to_slice_name(name))
+    assert dataclasses.replace(from_table, name=from_file.name, source=from_file.source) == from_file
+
+
+def test_every_generation_has_a_shipped_file_to_agree_with():
+    assert {load_topology(n).chip for n in TPU_FILES} == {f"tpu-{g}" for g in GENERATIONS}
+
+
+@pytest.mark.parametrize("generation", list(GENERATIONS))
+def test_generation_table_is_consistent(generation):
+    g = GENERATIONS[generation]
+    assert all(len(shape) == g.torus_dims for shape in g.shapes)
+    assert g.ici_links_per_chip == 2 * g.torus_dims  # one link each way along each torus dimension
+    chips = [math.prod(shape) for shape in g.shapes]
+    assert chips == sorted(set(chips))  # smallest first, one shape per size
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("v3-8", ["'v3'", "'v3-8'", "v4, v5e, v5p, v6e"]),
+        ("v7x-8", ["'v7x'", "v4, v5e, v5p, v6e"]),
+        ("v5p-63", ["'v5p-63'", "TensorCores (2 per chip)", "v5p slices: v5p-8, v5p-16, v5p-32, v5p-64, v5p-128,"]),
+        ("v5p-65", ["'v5p-65'", "v5p-64, v5p-128"]),
+        ("v5e-12", ["'v5e-12'", "count chips", "v5e slices: v5e-4, v5e-8, v5e-16, v5e-32,"]),
+        ("v4-64x2", ["'v4-64x2'", "Known topologies"]),  # the file-style multi-slice order is not a slice name
+        ("2xv6e-100", ["'2xv6e-100'", "v6e slices: v6e-4,"]),
+        ("0xv5p-64", ["'0xv5p-64'", "0 slices", "2xv5p-64"]),
+    ],
+)
+def test_bad_slice_name_lists_the_valid_ones(name, expected):
+    with pytest.raises(TopologyError) as e:
+        load_topology(name)
+    for part in expected:
+        assert part in str(e.value)
+
+
+def test_unknown_name_mentions_slice_names():
+    with pytest.raises(TopologyError) as e:
+        load_topology("h100")
+    assert "TPU slice by Google's name (v5p-64" in str(e.value) and "2xv5p-64" in str(e.value)
+
+
+def test_file_style_name_of_a_slice_suggests_the_slice():
+    with pytest.raises(TopologyError, match="Did you mean the slice 'v5p-64'"):
+        load_topology("tpu-v5p-64")
+
+
+def test_file_wins_over_slice_of_the_same_name(tmp_path, monkeypatch):
+    write(tmp_path, edit("name", 'name = "v5p-64"'), name="v5p-64")  # 64 chips; the table's v5p-64 has 32
+    monkeypatch.setenv("JAXPAR_MESHES", str(tmp_path))
+    assert load_topology("v5p-64").num_chips == 64
+
+
+# --- TPU topologies, checked by libtpu where it is installed ----------------------------------
+
+def described_chips(t: Topology, monkeypatch) -> set[tuple]:
+    """(slice, chip coordinates) of every device libtpu describes for ``t``."""
+    pytest.importorskip("libtpu", reason="libtpu describes TPU topologies; pip install -e .[tpu]")
     # Ahead-of-time compiles hold no chip; without this a second test process fails on libtpu's lockfile.
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental.topologies import get_topology_desc
 
+    kwargs = {"num_slices": t.num_slices} if t.is_multi_slice else {}
+    devices = get_topology_desc(platform="tpu", topology_name=t.tpu_topology, **kwargs).devices
+    # By coordinates, not devices: v4 descriptions list one device per TensorCore (2 per chip).
+    # Single-slice devices have no slice_index.
+    return {(getattr(d, "slice_index", 0), tuple(d.coords)) for d in devices}
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("name", TPU_FILES + SLICES + ["2xv5p-64", "2xv5e-16", "2xv4-32"])
+def test_tpu_topology_is_accepted_by_jax(name, monkeypatch):
     t = load_topology(name)
-    devices = get_topology_desc(platform="tpu", topology_name=t.tpu_topology).devices
-    # Count chips by coordinates: v4 descriptions list one device per TensorCore (2 per chip).
-    coords = {tuple(d.coords) for d in devices}
-    assert len(coords) == t.chips_per_slice
-    extent = tuple(max(c[i] for c in coords) + 1 for i in range(len(t.ici_shape)))
+    chips = described_chips(t, monkeypatch)
+    assert len(chips) == t.num_chips
+    assert len({s for s, _ in chips}) == t.num_slices
+    extent = tuple(max(c[i] for _, c in chips) + 1 for i in range(len(t.ici_shape)))
     assert extent == t.ici_shape

@@ -52,7 +52,7 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
     if layout.mesh.devices.flat[0].platform == "cpu":
         cb, rb = max(cb, 4), max(rb, 4)  # XLA:CPU runs bf16 collectives in f32 (GPU and TPU do not)
     layer_psi = tensor_local_params(trainer, only_layers=True)
-    regather = layout.regather or trainer.schedule is not None
+    regather = trainer.regather or trainer.schedule is not None
     ways = lambda mapping: math.prod(layout.mesh.shape[a] for a in layout.axes_of("embed", mapping) if a in layout.batch_axes)  # noqa: E731
     return TrafficContext(
         layout=layout, mesh=dict(layout.mesh.shape), psi=tensor_local_params(trainer), layer_psi=layer_psi,

@@ -63,7 +63,8 @@ class Strategy:
         return self.options["sp"]
 
     @property
-    def regather(self) -> bool:
+    def regather(self) -> bool | None:
+        """True / False as given; None for auto (the trainer chooses by memory)."""
         return self.options["regather"]
 
     def __str__(self) -> str:

@@ -15,9 +15,13 @@ gather); ZeRO-1/2 reduce-scatter the gradients and all-gather the updated weight
 optimizer step. Either way 2*Psi_b*(N-1)/N bytes per device per step, or 3*Psi_b*(N-1)/N under
 ZeRO-3 when the weights are gathered again for the backward pass (``regather=on``, also what a
 pipeline's recompute does).
+
+``regather=auto`` (the default) chooses per layer stack from the analytic memory, before compiling
+(``choose_regather``): keeping every layer's gathered weights for the backward pass saves one pass
+of weight traffic but holds the whole stack's weights on every chip at once.
 """
 
-from jaxpar.errors import SpecError
+from jaxpar.errors import SpecError, size_text
 from jaxpar.mesh import parse_flag
 
 AXES = ("fsdp",)
@@ -39,7 +43,40 @@ def _stage(key: str, text: str) -> int:
     return stage
 
 
-OPTIONS = {"zero": (_stage, 3), "regather": (parse_flag, False)}  # key -> (parse(key, text), default)
+def _regather(key: str, text: str):
+    """on / off, or auto (None): the trainer chooses by memory (``choose_regather``)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return parse_flag(key, text)
+    except SpecError:
+        raise SpecError(f"option regather={text!r}: use auto (chosen by memory), on or off") from None
+
+
+OPTIONS = {"zero": (_stage, 3), "regather": (_regather, None)}  # key -> (parse(key, text), default)
+
+# regather=auto keeps a stack's gathered weights only where they are cheap in memory: at most this
+# share of a chip's memory (beyond it the same bytes buy a longer sequence or a larger batch, while
+# the extra gather overlaps the backward pass's compute), and with the stored state they must leave
+# this share free for activations and temporaries
+KEEP_AT_MOST = 0.10
+HEADROOM = 0.25
+
+
+def choose_regather(kept_bytes: float, state_bytes: float, memory_bytes: float | None) -> tuple[bool, str]:
+    """(regather, why) for ``regather=auto``: ``kept_bytes`` per chip that keeping a layer stack's
+    gathered weights for the backward pass holds, ``state_bytes`` the stored weights and optimizer
+    state per chip, ``memory_bytes`` a chip's memory (None: unknown)."""
+    kept = f"keeping every layer's gathered weights holds {size_text(kept_bytes)} per chip"
+    if memory_bytes is None:
+        return False, f"{kept}; the devices report no memory limit, so they are kept (regather=on to save it)"
+    if state_bytes + kept_bytes > (1 - HEADROOM) * memory_bytes:
+        return True, (f"{kept}, which with the stored state ({size_text(state_bytes)}) leaves less than {HEADROOM:.0%} of "
+                      f"{size_text(memory_bytes)} for activations: gathered again for the backward pass")
+    if kept_bytes > KEEP_AT_MOST * memory_bytes:
+        return True, (f"{kept}, over {KEEP_AT_MOST:.0%} of {size_text(memory_bytes)}: gathered again for the backward pass "
+                      f"(one more weight pass of traffic, overlapped with its compute; regather=off keeps them)")
+    return False, f"{kept}, at most {KEEP_AT_MOST:.0%} of {size_text(memory_bytes)}: kept (one weight pass less traffic)"
 
 
 def check(strategy):

@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from jaxpar.errors import JaxparError, JobFailed
+from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
 from jaxpar.mesh import ParallelSpec
 from jaxpar.models import llama, model_config
@@ -138,10 +138,6 @@ def _check_unused_options(run: RunConfig, strategy: Strategy):
 STATE_BYTES_PER_PARAM = 16
 
 
-def _size(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
-
-
 def check_fits_fully_sharded(num_params: int, topology: Topology, model: str = "the model"):
     """Refuse, before building anything, a model whose training state cannot fit even when every
     byte of it is sharded over all chips."""
@@ -149,31 +145,21 @@ def check_fits_fully_sharded(num_params: int, topology: Topology, model: str = "
     if need > topology.hbm_bytes:
         chips = math.ceil(STATE_BYTES_PER_PARAM * num_params / topology.hbm_bytes)
         raise JaxparError(
-            f"{model} ({num_params / 1e9:.1f}B weights) needs {_size(need)} per chip for weights, gradients and Adam "
+            f"{model} ({num_params / 1e9:.1f}B weights) needs {size_text(need)} per chip for weights, gradients and Adam "
             f"state even fully sharded over the {topology.num_chips} chips of {topology.name}, which have "
-            f"{_size(topology.hbm_bytes)} each: short by {_size(need - topology.hbm_bytes)} per chip "
+            f"{size_text(topology.hbm_bytes)} each: short by {size_text(need - topology.hbm_bytes)} per chip "
             f"before any activation. Use a topology with more than {chips} chips"
         )
-
-
-def state_bytes_per_chip(trainer: Trainer) -> dict[str, int]:
-    """Weights and optimizer state per chip, read from the shardings the step is compiled with."""
-    state = trainer.abstract_state()
-
-    def total(tree):
-        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim)
-
-    return {"parameters": total(state.params), "optimizer": total(state.opt_state)}
 
 
 def check_state_fits(trainer: Trainer, topology: Topology, what: str):
     """Refuse a layout whose weights and optimizer state alone, as its shardings store them,
     exceed one chip's memory (gradients and activations come on top)."""
-    need = sum(state_bytes_per_chip(trainer).values())
+    need = sum(trainer.stored_bytes_per_device().values())
     if need > topology.hbm_bytes:
         raise JaxparError(
-            f"{what} keeps {_size(need)} of weights and optimizer state on each device, more than the "
-            f"{_size(topology.hbm_bytes)} per chip of {topology.name}; shard them more (e.g. --strategy fsdp=-1) "
+            f"{what} keeps {size_text(need)} of weights and optimizer state on each device, more than the "
+            f"{size_text(topology.hbm_bytes)} per chip of {topology.name}; shard them more (e.g. --strategy fsdp=-1) "
             f"or choose a topology with more memory per chip"
         )
 
@@ -207,7 +193,7 @@ def build_trainer(run: RunConfig, topology: Topology):
     check_model_axes(strategy, run.model)
     _check_unused_options(run, strategy)
     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
-    train_cfg = dataclasses.replace(run.train, total_steps=run.steps)
+    train_cfg = dataclasses.replace(run.train, total_steps=run.steps, memory_bytes=run.train.memory_bytes or topology.hbm_bytes)
     trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, train_cfg)
     check_state_fits(trainer, topology, f"{run.model} under {strategy}")
     return trainer, strategy, cfg
@@ -372,6 +358,7 @@ def run_training(
         "nonfinite": nonfinite,
         "skipped_steps": skipped,
         "path": {"name": trainer.path, "reason": trainer.path_reason},
+        "fsdp_policy": {"regather": trainer.regather, "reason": trainer.regather_reason},
         "grad_sync": _grad_sync_report(trainer),
         "step_times_s": times,
         "held_out_loss": held_out_loss,
@@ -450,6 +437,11 @@ class _Progress:
 
 
 def write_json_atomically(path: str, payload: dict):
+    """``write_text_atomically`` of ``payload`` as JSON."""
+    write_text_atomically(path, json.dumps(payload, indent=1, default=float))
+
+
+def write_text_atomically(path: str, text: str):
     """Write to a temporary file next to ``path`` and rename it: never a half-written file. The
     file gets the permissions any new file of the user gets (``open`` applies the umask). A write
     that fails (a full disk) raises ``JobFailed`` with the reason, and leaves nothing behind."""
@@ -458,7 +450,7 @@ def write_json_atomically(path: str, payload: dict):
     try:
         os.makedirs(directory, exist_ok=True)
         with open(tmp, "w") as f:
-            json.dump(payload, f, indent=1, default=float)
+            f.write(text)
         os.replace(tmp, path)
     except OSError as err:
         raise JobFailed(f"could not write {path} ({err.strerror or err}); free some space there or choose another path") from None

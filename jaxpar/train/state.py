@@ -9,6 +9,7 @@ device memory is touched, and the same seed gives the same values on any layout.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -177,6 +178,33 @@ class ShardedState:
     def merge(self, pure):
         """The model with the weights of pure dict ``pure``."""
         return nnx.merge(self.graphdef, self.with_values(pure))
+
+    def stored_bytes_per_device(self) -> dict[str, int]:
+        """Weights and optimizer state one device stores, from the shardings the step uses."""
+        state = self.abstract_state()
+
+        def total(tree):
+            return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim)
+
+        return {"parameters": total(state.params), "optimizer": total(state.opt_state)}
+
+    def gathered_layer_bytes(self, itemsize: int) -> int:
+        """Bytes per device of the stacked layer weights the layout gathers for compute (stored
+        split more than computed), all layers at once, at ``itemsize`` bytes each: what keeping
+        them for the backward pass holds. 0 when nothing stacked is gathered."""
+        total = 0
+        for path, names in self.names.items():
+            if "layers" not in names:
+                continue
+            whole = lambda spec: tuple(spec) + (None,) * (len(names) - len(spec))  # noqa: E731
+            stored, computed = whole(self._spec(path, "param")), whole(self._spec(path, "compute"))
+            layers = names.index("layers")
+            if all(stored[d] == computed[d] for d in range(len(names)) if d != layers):
+                continue  # not gathered (a pipeline's stage split of the layers is no gather)
+            # the stage's own layers, each laid out as computed
+            spec = PartitionSpec(*(stored[d] if d == layers else computed[d] for d in range(len(names))))
+            total += math.prod(NamedSharding(self.layout.mesh, spec).shard_shape(self.abstract_leaf(path).shape)) * itemsize
+        return total
 
     def stacked_marks(self):
         """A tree like the params, True at the stacked layer weights (logical axis ``layers``)."""

@@ -33,7 +33,7 @@ from jaxpar import attention
 from jaxpar.collectives import context_attention
 from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import pipeline as pipeline_lib
-from jaxpar.parallel import schedules
+from jaxpar.parallel import fsdp, schedules
 from jaxpar.rules import Layout, gather_layers_when_read, gather_params, record_model_calls, use_layout, varying_axes
 from jaxpar.train import check as check_lib
 from jaxpar.train import grad_sync, gspmd, reductions, remat
@@ -65,6 +65,8 @@ class TrainConfig:
     attention: str = "auto"  # auto | naive | blockwise | splash | cudnn: jaxpar.attention's implementation
     path: str = "auto"  # auto | manual | gspmd: who places the collectives (see Trainer.path_reason)
     nonfinite: str = "stop"  # stop | skip: a step whose loss or gradient is NaN/inf raises, or is skipped
+    # a device's memory, for choices made by memory (regather=auto); None: what the devices report
+    memory_bytes: float | None = None
 
 
 PATHS = ("auto", "manual", "gspmd")
@@ -111,6 +113,7 @@ class Trainer:
     merge = _Part("sharded_state")
     _with_values = _Part("sharded_state", "with_values")
     stacked_marks = _Part("sharded_state")
+    stored_bytes_per_device = _Part("sharded_state")
     # where batches go (placement.py)
     batch_sharding = _Part("placement", "sharding")
     abstract_batch = _Part("placement", "abstract")
@@ -132,10 +135,13 @@ class Trainer:
         self._explicit = False  # GSPMD path: the model needs explicit mesh axes (its own out_sharding)
         self._path_decided = False
         self.optimizer = optimizer or make_optimizer(cfg)
-        # each layer loop's checkpoint policy (None: no checkpoint); refuses an unknown cfg.remat
-        self.remat_policy = remat.policy(cfg.remat, layout.regather)
+        remat.policy(cfg.remat, False)  # refuses an unknown cfg.remat before any work
         # checks every weight against the layout, before any device memory is touched
         self.sharded_state = ShardedState(layout, model_fn, self.optimizer, *abstract_model(model_fn))
+        # FSDP: gather the layers' weights again for the backward pass, or keep them (and why)
+        self.regather, self.regather_reason = self._choose_regather()
+        # each layer loop's checkpoint policy (None: no checkpoint)
+        self.remat_policy = remat.policy(cfg.remat, self.regather)
         self.placement = BatchPlacement(layout, cfg.microbatches)
         if layout.a2a_axes:  # the all-to-all splits attention by heads
             shapes = {p: v.get_value().shape for p, v in variables(self.abstract).items()}
@@ -148,6 +154,22 @@ class Trainer:
         self._buckets, self._done_paths = reductions.all_reduce_buckets(self._plans, self.grad_sync, cfg.microbatches)
         self._step = None
         self.accumulator_bytes = None  # set when the step is traced
+
+    def _choose_regather(self) -> tuple[bool, str]:
+        """The layout's regather, or under regather=auto the choice by memory (``fsdp.choose_regather``)."""
+        if self.layout.regather is not None:
+            return self.layout.regather, f"regather={'on' if self.layout.regather else 'off'} was asked for"
+        kept = self.sharded_state.gathered_layer_bytes(jnp.dtype(self.cfg.compute_dtype).itemsize)
+        if not kept:
+            return False, "the layout gathers no stacked layer weights"
+        memory = self.cfg.memory_bytes
+        if memory is None:
+            try:
+                stats = self.layout.mesh.devices.flat[0].memory_stats()
+            except Exception:  # compile-only devices (an ahead-of-time TPU target) hold no memory to report
+                stats = None
+            memory = (stats or {}).get("bytes_limit")  # CPUs report none
+        return fsdp.choose_regather(kept, sum(self.stored_bytes_per_device().values()), memory)
 
     def _pipeline(self):
         """(model split into pipeline pieces, schedule, lowered program) when the mesh has a stage
@@ -211,6 +233,9 @@ class Trainer:
             self.path_reason += ("; its out_sharding needs explicit mesh axes, so the batch axes are explicit inside the "
                                  "model and every weight enters gathered over them (stacked layers are not gathered one at a time)")
         if self.path == "gspmd":
+            if self.layout.regather is None and self.regather:  # regather=auto: only the manual step gathers again
+                self.regather, self.remat_policy = False, remat.policy(self.cfg.remat, False)
+                self.regather_reason += "; but the GSPMD path cannot gather again, so they are kept"
             self._check_gspmd()
         return self.path
 
@@ -227,7 +252,7 @@ class Trainer:
         manual_only = {
             "a compressed grad_sync": self.grad_sync is not None,
             "a pipeline (stage > 1)": self.pipeline is not None,
-            "regather=on": self.layout.regather,
+            "regather=on": self.layout.regather is True,
             "context parallelism (context > 1)": bool(self.layout.ring_axes or self.layout.a2a_axes),
         }
         asked = [what for what, on in manual_only.items() if on]
