@@ -1,55 +1,97 @@
-"""Plan three pod jobs from this machine: compile each training step for the real TPU pod ahead of
-time (libtpu: `pip install -e .[tpu]`) and print its fit, its traffic and the estimated MFU of the
-best layout, next to the MFU the public MaxText documentation reports for the same model and pod.
+"""Plan pod jobs from this machine: compile each training step for the real TPU pod ahead of time
+(libtpu: `pip install -e .[tpu]`) and print the chosen plan's peak memory, traffic by link, roofline
+step time and MFU, next to what MaxText reaches on the same pod.
 
-    python examples/pod_plans.py [MODEL ...] [--batch-per-chip B] [--seq-len L]
-                                 # a few minutes and several GB of RAM per compile
+    python examples/pod_plans.py [PLAN ...] [--batch-per-chip B] [--seq-len L]
+                                 # about a minute and a few GB of RAM per 7B compile; the 70B plans
+                                 # on 256-512 chips take several minutes and more than 10 GB each
 
-The MaxText figures are measured on real pods; ours are roofline estimates (a bound: kernels below
-peak, bubbles and host overhead are not in it). Batch shapes are ours, chosen per chip. Exits with
-an error if a plan was not compiled by the TPU compiler or does not fit in HBM.
+Two kinds of MaxText figures, labelled as what they are:
+- llama2-7b on three pods: MaxText's own step compiled here ahead of time with the same settings
+  (global batch of one sequence per chip, 2048 tokens, bf16 compute and gradient reduction, full
+  remat, splash attention): its per-chip peak memory and collective bytes, counted as jaxpar counts
+  its own;
+- Llama2-70B on 512 v5p chips, Llama3.1-8B and Llama3.1-70B on 256 v6e chips: the MFU MaxText
+  publishes, measured on real pods (``jaxpar.analysis.roofline.PUBLISHED_RUNS`` names the sources),
+  against jaxpar's roofline estimate for the same per-chip batch and length.
+jaxpar's plans take ``regather=auto`` (the FSDP policy chosen by memory) and bf16 gradient
+reduction, MaxText's setting. Exits with an error if a plan was not compiled by the TPU compiler
+or does not fit in its HBM.
 """
 import argparse
+import dataclasses
 import sys
 
-from jaxpar.aot import compile_report, format_report
+from jaxpar.aot import POD_DEFAULTS, compile_report, format_report
+from jaxpar.analysis.roofline import PUBLISHED_RUNS
 from jaxpar.topology import load_topology
 
-# model, topology, strategy, per-chip batch, sequence length, MFU reported by MaxText (or None)
+MAXTEXT_SETTINGS = dataclasses.replace(POD_DEFAULTS, grad_reduce_dtype="bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    name: str
+    model: object  # a config name or a LlamaConfig
+    topology: str
+    strategy: str
+    batch_per_chip: int
+    seq_len: int
+    maxtext: str  # what MaxText reaches on this pod, and how it was measured
+
+
+def published(model: str, topology: str) -> Plan:
+    (run,) = [r for r in PUBLISHED_RUNS if r.model == model and r.topology == topology]
+    return Plan(f"{model}/{topology}", run.config, topology, run.strategy, run.batch_per_chip, run.seq_len,
+                f"MFU {100 * run.mfu:.2f}% measured by MaxText on the pod (published)")
+
+
+def compiled_here(topology: str, strategy: str, peak_gb: float, traffic: str) -> Plan:
+    return Plan(f"llama2-7b/{topology}", "llama2-7b", topology, strategy, 1, 2048,
+                f"peak {peak_gb:.3f} GB and {traffic} GB of collectives per chip (MaxText's step compiled here)")
+
+
 PLANS = [
-    ("llama2-7b", "tpu-v5p-256", "fsdp=-1", 4, 4096, None),
-    # Llama3.1-8B has llama3-8b's shapes. jaxpar's attention materialises the (length x length)
-    # scores (no flash kernel yet), so these batches are smaller than MaxText's.
-    ("llama3-8b", "tpu-v6e-256", "fsdp=-1", 1, 4096, 0.4546),
-    # keeping all 80 layers' gathered weights would take 140 GB per chip: gather them again instead
-    ("llama2-70b", "tpu-v5p-1024", "fsdp=-1,regather=on", 1, 4096, 0.654),
+    compiled_here("v5p-64", "fsdp=-1", 5.129, "40.3"),
+    compiled_here("v5e-256", "fsdp=-1", 2.022, "39.4"),
+    compiled_here("2xv5p-64", "data=2,fsdp=-1", 5.146, "39.4 ICI + 0.43 DCN"),
+    published("Llama2-70B", "tpu-v5p-1024"),
+    published("Llama3.1-8B", "tpu-v6e-256"),
+    published("Llama3.1-70B", "tpu-v6e-256"),
 ]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    names = [plan[0] for plan in PLANS]
-    parser.add_argument("models", nargs="*", metavar="MODEL", help=f"plan only these ({', '.join(names)}; default: all)")
+    names = [plan.name for plan in PLANS]
+    parser.add_argument("plans", nargs="*", metavar="PLAN", help=f"plan only these ({', '.join(names)}; default: all)")
     parser.add_argument("--batch-per-chip", type=int, help="instead of each plan's own")
-    parser.add_argument("--seq-len", type=int, help="instead of each plan's own (4096)")
+    parser.add_argument("--seq-len", type=int, help="instead of each plan's own")
     args = parser.parse_args()
-    unknown = [m for m in args.models if m not in names]
+    unknown = [p for p in args.plans if p not in names]
     if unknown:
-        parser.error(f"no plan for {', '.join(unknown)}; choose from {', '.join(names)}")
+        parser.error(f"no plan {', '.join(unknown)}; choose from {', '.join(names)}")
     failed = []
-    for model, topology_name, strategy, per_chip, seq, maxtext in PLANS:
-        if args.models and model not in args.models:
+    for plan in PLANS:
+        if args.plans and plan.name not in args.plans:
             continue
-        topology = load_topology(topology_name)
-        batch = (args.batch_per_chip or per_chip) * topology.num_chips
-        report = compile_report(model, topology, strategy, batch, args.seq_len or seq)
+        topology = load_topology(plan.topology)
+        batch = (args.batch_per_chip or plan.batch_per_chip) * topology.num_chips
+        report = compile_report(plan.model, topology, plan.strategy, batch, args.seq_len or plan.seq_len, MAXTEXT_SETTINGS,
+                                alternatives=0)
         print(format_report(report))
-        best = min([{"strategy": report["strategy"], **report["roofline"]}, *report["alternatives"]], key=lambda r: r["step_s"])
-        measured = f"{100 * maxtext:.2f}% measured by MaxText" if maxtext else "no MaxText figure published for this pair"
-        print(f"\n==> {model} on {topology_name}: best layout {best['strategy']}, estimated MFU {100 * best['mfu']:.1f}% "
-              f"(jaxpar roofline estimate) vs {measured}\n{'=' * 100}\n")
-        if report["compiler"] != "tpu" or not report["memory_per_chip"]["fits"]:
-            failed.append(model)
+        mem, est = report["memory_per_chip"], report["roofline"]
+        links = {}
+        for name, row in report["collectives"].items():
+            link = name.rsplit("(", 1)[1].rstrip(")")
+            links[link] = links.get(link, 0.0) + row["bytes_per_chip"]
+        traffic = " + ".join(f"{b / 1e9:.2f} {link}" for link, b in sorted(links.items()))
+        print(f"\n==> {plan.name}: {report['strategy']} ({'regather' if report['fsdp_policy']['regather'] else 'keep'}), "
+              f"peak {mem['peak'] / 1e9:.3f} GB, {traffic} GB of collectives per chip, step {est['step_s']:.3f} s, "
+              f"MFU {100 * est['mfu_full_attention']:.1f}% (compiled and estimated here)\n"
+              f"    MaxText: {plan.maxtext}\n{'=' * 100}\n")
+        if report["compiler"] != "tpu" or not mem["fits"]:
+            failed.append(plan.name)
     if failed:
         sys.exit(f"not compiled for the TPU pod, or not fitting in its HBM: {', '.join(failed)}")
 

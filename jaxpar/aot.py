@@ -121,19 +121,19 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes + stats.generated_code_size_in_bytes
     dcn_axes = tuple(a for a, d in dcn.items() if d > 1)
     cols = hlo.collectives(compiled.as_text(), layout.mesh, dcn_axes, topology.num_slices)
-    rows = [(c.kind, c.bytes_per_step, any(dcn[a] > 1 for a in c.mesh_axes)) for c in cols]
+    rows = [(c.kind, c.mesh_axes, c.bytes_per_step, any(dcn[a] > 1 for a in c.mesh_axes)) for c in cols]
     model_flops = model_cfg.flops_per_token(seq_len) * batch_size * seq_len
-    estimate = roofline.estimate(model_flops, rows, topology, n, roofline.RECOMPUTE[train_cfg.remat])
+    estimate = _estimate(trainer, strategy, model_cfg, batch_size, seq_len, rows, topology)
     cost = compiled.cost_analysis() or {}
     by_link = {}
-    for c, (_, sent, crosses) in zip(cols, rows):
+    for c, (_, _, sent, crosses) in zip(cols, rows):
         key = f"{c.kind} over {'+'.join(c.mesh_axes) or '-'} ({'DCN' if crosses else 'ICI'})"
         entry = by_link.setdefault(key, {"count": 0, "bytes_per_chip": 0.0})
         entry["count"] += c.executions
         entry["bytes_per_chip"] += sent
     misplaced = []
     for axis in dcn_misplaced(dcn):
-        sent = [(c.kind, b) for c, (_, b, _) in zip(cols, rows) if axis in c.mesh_axes]
+        sent = [(c.kind, b) for c, (_, _, b, _) in zip(cols, rows) if axis in c.mesh_axes]
         misplaced.append({
             "axis": axis,
             "bytes_per_chip": sum(b for _, b in sent),
@@ -175,13 +175,22 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     }
 
 
+def _estimate(trainer, strategy, model_cfg, batch_size: int, seq_len: int, rows, topology: Topology) -> roofline.StepEstimate:
+    """The roofline of ``trainer``'s step from traffic ``rows`` (kind, mesh axes, bytes per chip, crosses DCN)."""
+    layout, cfg = trainer.layout, trainer.cfg
+    return roofline.estimate_step(
+        model_cfg, batch_size, seq_len, rows, topology, layout.mesh.size, state_bytes=memory.zero_table(trainer, strategy),
+        batch_axes=layout.batch_axes, tensor=layout.mesh.shape["tensor"], recompute=roofline.RECOMPUTE[cfg.remat],
+        attention=cfg.attention, compute_dtype=cfg.compute_dtype)
+
+
 def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int, seq_len: int, count: int) -> list[dict]:
     """The ``count`` best other specs for the same chips, by the roofline estimate of their analytic
-    traffic (not compiled), among those whose weights, gradients and optimizer state fit in HBM."""
+    traffic (not compiled); a spec whose weights, gradients and optimizer state do not fit in HBM
+    ranks after every one that does."""
 
     n = trainer.layout.mesh.size
     devices = list(trainer.layout.mesh.devices.flat)
-    flops = cfg.flops_per_token(seq_len) * batch_size * seq_len
     ranked = []
     for tensor in [t for t in _divisors(n) if t <= 16]:
         for data in _divisors(n // tensor):
@@ -199,16 +208,13 @@ def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int
                 continue
             if str(strategy) == str(current):
                 continue
-            state = sum(memory.zero_table(candidate, strategy).values())
-            if state > topology.hbm_bytes:
-                continue
             sent = traffic.optimal_traffic_by_axis(candidate, strategy, (batch_size, seq_len), cfg)
-            rows = [(kind, b, dcn[axis] > 1) for (kind, axis), b in sent.items()]
-            est = roofline.estimate(flops, rows, topology, n, roofline.RECOMPUTE[trainer.cfg.remat])
-            ranked.append({"strategy": str(strategy), "step_s": est.step_s, "comm_s": est.comm_s, "mfu": est.mfu, "state_bytes_per_chip": state})
-    # ties (compute-bound steps) go to less communication, then to less memory
-    ranked.sort(key=lambda r: (round(r["step_s"], 9), r["comm_s"], r["state_bytes_per_chip"]))
-    return ranked[:count]
+            rows = [(kind, axis, b, dcn[axis] > 1) for (kind, axis), b in sent.items()]
+            est = _estimate(candidate, strategy, cfg, batch_size, seq_len, rows, topology)
+            ranked.append((est.rank_key, {"strategy": str(strategy), "step_s": est.step_s, "comm_s": est.comm_s, "mfu": est.mfu,
+                                          "fits": est.fits, "state_bytes_per_chip": est.state_bytes}))
+    ranked.sort(key=lambda r: r[0])
+    return [row for _, row in ranked[:count]]
 
 
 def format_report(report: dict) -> str:
@@ -240,12 +246,28 @@ def format_report(report: dict) -> str:
     lines += [
         "",
         f"compiler's estimate (loop bodies counted once; a hint only): {cost['flops'] or 0:.3e} flops, "
-        f"{cost['bytes accessed'] or 0:.3e} bytes accessed, {cost['optimal_seconds'] or 0:.4f} s",
-        f"roofline estimate: compute {est['compute_s']:.3f} s, ICI {est['ici_s']:.3f} s, DCN {est['dcn_s']:.3f} s -> "
-        f"step {est['step_s']:.3f} s overlapped ({est['serial_step_s']:.3f} s serial), MFU {100 * est['mfu']:.1f}%",
+        f"{cost['bytes accessed'] or 0:.3e} bytes accessed, " + _compiler_seconds(cost['optimal_seconds']),
+        f"roofline estimate (matmuls at {100 * est['matmul_efficiency']:.0f}% of peak for {report['topology']}'s chip):",
+        f"  compute {est['compute_s']:.3f} s = matmuls {est['matmul_s']:.3f} + attention {est['attention_s']:.3f} + HBM-bound "
+        f"{est['hbm_s']:.3f} (" + ", ".join(f"{part} {t:.3f}" for part, t in est["hbm_by_part_s"].items()) + ")",
+        f"  communication: overlapped {est['overlapped_comm_s']:.3f} s, exposed {est['exposed_comm_s']:.3f} s (first gather "
+        f"{est['first_gather_s']:.3f}, last reduction {est['last_reduction_s']:.3f}, activations {est['activation_comm_s']:.3f}, "
+        f"DCN {est['dcn_s']:.3f})",
+        f"  step {est['step_s']:.3f} s ({est['serial_step_s']:.3f} s serial), MFU {100 * est['mfu']:.1f}% "
+        f"({100 * est['mfu_full_attention']:.1f}% counting all attention FLOPs, as MaxText publishes; ceiling "
+        f"{100 * est['ceiling_mfu']:.1f}%)",
         "",
         "best alternatives (analytic traffic, not compiled)",
     ]
     for alt in report["alternatives"]:
-        lines.append(f"  {alt['strategy']:32s} step {alt['step_s']:.3f} s  MFU {100 * alt['mfu']:.1f}%  state {gib(alt['state_bytes_per_chip'])}")
+        fits = "" if alt["fits"] else "  state DOES NOT FIT"
+        lines.append(f"  {alt['strategy']:32s} step {alt['step_s']:.3f} s  MFU {100 * alt['mfu']:.1f}%  state {gib(alt['state_bytes_per_chip'])}{fits}")
     return "\n".join(lines)
+
+
+def _compiler_seconds(seconds) -> str:
+    # TPU programs keep scanned layers as loops whose bodies the compiler counts once: its figure
+    # can even come out negative, which means nothing
+    if seconds is None or seconds < 0:
+        return f"no usable time ({seconds})"
+    return f"{seconds:.4f} s"

@@ -8,7 +8,10 @@ process that imports this file (pytest, or its xdist controller) and handed to t
 every subprocess through the environment; it is removed when the run ends.
 """
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # LLVM optimisation level 1: the suite's programs are small and compiled once each, so compiling
@@ -45,3 +48,13 @@ def pytest_sessionfinish(session):
     owned = os.environ.get("JAXPAR_TEST_OWNS_CACHE")
     if owned and not hasattr(session.config, "workerinput"):  # the controller, after every worker is done
         shutil.rmtree(owned, ignore_errors=True)
+
+
+def run_example(script: str, *args: str) -> str:
+    """Run examples/``script`` on 8 simulated CPU devices; its output, once it has exited 0."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, JAX_PLATFORMS="cpu")  # XLA_FLAGS as set above: the compilation cache keys on them
+    result = subprocess.run([sys.executable, f"examples/{script}", *args], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout

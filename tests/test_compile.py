@@ -3,9 +3,9 @@ import dataclasses
 import json
 
 import pytest
+from conftest import run_example
 
 from jaxpar import aot, cli
-from jaxpar.analysis import roofline, traffic
 from jaxpar.errors import JaxparError, SpecError
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
@@ -13,19 +13,10 @@ from jaxpar.topology import load_topology
 from jaxpar.train.step import TrainConfig, Trainer
 
 
-def small_pod(name, tpu_topology, ici_shape, slices=1):
-    """A shipped topology's chip, on a slice small enough to compile in seconds."""
-    base = load_topology(name)
-    chips = slices
-    for d in ici_shape:
-        chips *= d
-    return dataclasses.replace(base, name=f"{base.chip}-{tpu_topology}x{slices}", tpu_topology=tpu_topology, ici_shape=ici_shape, dcn_shape=(slices,), num_chips=chips)
-
-
 PODS = {
-    "v5p 2x2x1": (small_pod("tpu-v5p-256", "v5p:2x2x1", (2, 2, 1)), "fsdp=4"),
-    "v5e 2x2": (small_pod("tpu-v5e-256", "v5e:2x2", (2, 2)), "fsdp=2,tensor=2"),
-    "2 slices of v5p 2x2x1": (small_pod("tpu-v5p-256", "v5p:2x2x1", (2, 2, 1), slices=2), "data=2,fsdp=4"),
+    "v5p 2x2x1": (load_topology("v5p-8"), "fsdp=4"),
+    "v5e 2x2": (load_topology("v5e-4"), "fsdp=2,tensor=2"),
+    "2 slices of v5p 2x2x1": (load_topology("2xv5p-8"), "data=2,fsdp=4"),
 }
 
 
@@ -52,7 +43,7 @@ def test_tiny_llama_compiles_for_tpu_pods(pod):
 @pytest.mark.tpu_aot
 def test_tensor_axis_across_slices_is_warned_with_its_cost():
     pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
-    topology = small_pod("tpu-v5p-256", "v5p:2x2x1", (2, 2, 1), slices=2)
+    topology = load_topology("2xv5p-8")
     wide = dataclasses.replace(llama.CONFIGS["tiny"], kv_heads=8)  # so that tensor=8 divides every dim
     with pytest.warns(UserWarning, match=r"\['tensor'\] across the slow links"):
         report = aot.compile_report(wide, topology, "tensor=8", batch_size=16, seq_len=64)
@@ -66,33 +57,6 @@ def test_gpu_topology_compiles_on_simulated_cpus_and_says_so(capsys):
     code = cli.main(["compile", "--model", "tiny", "--topology", "gpu-h100-8", "--strategy", "fsdp=8", "--batch-size", "16", "--seq-len", "32"])
     out = capsys.readouterr().out
     assert code == 0 and "XLA:CPU" in out and "gpu topology" in out and "best alternatives" in out
-
-
-def test_roofline_ranks_dp_and_fsdp_as_their_formulas_do():
-    # same model, same chips: DP all-reduces 2 Psi; FSDP with regather moves Psi + Psi_layers in
-    # gathers and Psi in reduce-scatters. Compute time is the same; communication differs by the
-    # ratio of those bytes (all over ICI at the same bandwidth).
-    topology = load_topology("cpu-8")
-    cfg = llama.CONFIGS["tiny"]
-    estimates, psi = {}, cfg.num_params()
-    for text in ("data=8", "fsdp=8,regather=on"):
-        strategy = parse_strategy(text, 8)
-        trainer = Trainer(build_layout(strategy), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, TrainConfig())
-        rows = [(kind, b, False) for (kind, _), b in traffic.optimal_traffic_by_axis(trainer, strategy, (16, 64), cfg).items()]
-        estimates[text] = roofline.estimate(cfg.flops_per_token(64) * 16 * 64, rows, topology, 8)
-    dp, fsdp = estimates["data=8"], estimates["fsdp=8,regather=on"]
-    layers_psi = psi - 2 * cfg.vocab_size * cfg.embed - cfg.embed
-    assert fsdp.compute_s == dp.compute_s
-    assert fsdp.comm_s / dp.comm_s == pytest.approx((2 * psi + layers_psi) / (2 * psi), rel=1e-9)
-    assert fsdp.comm_s > dp.comm_s
-
-
-def test_collective_time_follows_the_cost_model():
-    topology = load_topology("tpu-v5p-256")
-    gather = roofline.collective_seconds("all-gather", 1e9, False, topology)
-    assert gather == pytest.approx(1e9 / (2 * topology.ici_bandwidth))
-    assert roofline.collective_seconds("all-to-all", 1e9, False, topology) == pytest.approx(gather / 4)
-    assert roofline.collective_seconds("all-gather", 1e9, True, topology) == pytest.approx(1e9 / topology.dcn_bandwidth)
 
 
 def test_model_that_cannot_fit_says_by_how_much():
@@ -116,7 +80,7 @@ def test_fsdp_traffic_on_a_pod_compile_is_2_or_3_weight_passes(regather):
     pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
     from jaxpar.analysis import hlo
 
-    topology = small_pod("tpu-v5p-256", "v5p:2x2x2", (2, 2, 2))
+    topology = load_topology("v5p-16")
     cfg = llama.CONFIGS["tiny"]
     strategy = parse_strategy(f"fsdp=8,regather={'on' if regather else 'off'}", 8)
     layout = build_layout(strategy, aot.tpu_devices(topology))
@@ -175,11 +139,12 @@ def test_regather_auto_chooses_by_memory(model, topology_name, strategy, regathe
 
 @pytest.fixture(scope="module")
 def llama2_7b_on_32_v5p_chips():
-    """llama2-7b's step for 32 v5p chips (fsdp=32, regather=auto, splash, bf16, full remat), one
-    sequence per chip, at 4096 and 8192 tokens: the two compiles (about 70 s each here) shared by
-    the tests below."""
+    """llama2-7b's step for 32 v5p chips (fsdp=32, regather=auto, splash, bf16 compute and gradient
+    reduction, full remat), one sequence per chip, at 4096 and 8192 tokens: the two compiles (70-90 s
+    each here) shared by the tests below."""
     pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
-    return {seq: aot.compile_report("llama2-7b", load_topology("v5p-64"), "fsdp=32", 32, seq, alternatives=0) for seq in (4096, 8192)}
+    cfg = dataclasses.replace(aot.POD_DEFAULTS, grad_reduce_dtype="bfloat16")  # examples/pod_plans.py's settings
+    return {seq: aot.compile_report("llama2-7b", load_topology("v5p-64"), "fsdp=-1", 32, seq, cfg, alternatives=0) for seq in (4096, 8192)}
 
 
 @pytest.mark.tpu_aot
@@ -199,6 +164,16 @@ def test_regather_auto_plan_fits_with_its_headroom(llama2_7b_on_32_v5p_chips):
         assert report["fsdp_policy"]["regather"], report["fsdp_policy"]
         mem = report["memory_per_chip"]
         assert mem["peak"] <= (1 - fsdp.HEADROOM) * mem["hbm"], mem
+
+
+@pytest.mark.tpu_aot
+def test_pod_plans_example_plans_llama2_7b_on_32_v5p_chips(llama2_7b_on_32_v5p_chips):
+    # the same program as the fixture's 4096-token compile: the compilation cache the suite shares
+    # with its subprocesses (conftest.py) hands it over, so the example only traces it
+    out = run_example("pod_plans.py", "llama2-7b/v5p-64", "--seq-len", "4096")
+    report = llama2_7b_on_32_v5p_chips[4096]
+    assert f"==> llama2-7b/v5p-64: {report['strategy']} (regather), peak {report['memory_per_chip']['peak'] / 1e9:.3f} GB" in out
+    assert "MaxText: peak 5.129 GB" in out
 
 
 def test_compile_takes_trains_options_and_dumps_the_program(tmp_path, capsys):

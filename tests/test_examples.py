@@ -1,14 +1,12 @@
 """The README's "Your own model" code runs as printed, and every script in examples/ runs at small
 sizes and checks its own claim: it exits non-zero when the claim fails."""
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
+from conftest import run_example
 from jax.sharding import PartitionSpec as P
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -33,15 +31,6 @@ def test_readme_own_model_runs_as_printed():
     assert state.params["up"]["kernel"].sharding.spec == P("fsdp", "tensor")
 
 
-def run_example(script: str, *args: str) -> str:
-    """Run examples/``script`` on 8 simulated CPU devices; its output, once it has exited 0."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, f"examples/{script}", *args], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    return result.stdout
-
-
 # script, small sizes, a line its check prints when the claim holds
 EXAMPLES = [
     pytest.param("train_own_model.py", ["--steps", "2", "--batch-size", "8", "--layouts", "data=8", "fsdp=4,tensor=2"],
@@ -57,17 +46,9 @@ EXAMPLES = [
     pytest.param("compressed_grad_sync.py", ["--steps", "20", "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "5",
                                              "--syncs", "exact", "dynamiq"],
                  "dynamiq trains like exact sync", id="compressed_grad_sync"),
-]  # survive_a_failure.py runs in test_multihost, against its uninterrupted job
+]  # survive_a_failure.py runs in test_multihost, against its uninterrupted job; pod_plans.py in test_compile
 
 
 @pytest.mark.parametrize("script, args, line", EXAMPLES)
 def test_example_checks_its_claim(script, args, line):
     assert line in run_example(script, *args)
-
-
-@pytest.mark.tpu_aot
-def test_pod_plans_example_compiles_a_plan_for_its_pod():
-    pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
-    # the smallest plan, at the smallest batch (one sequence per chip) and a short sequence
-    out = run_example("pod_plans.py", "llama2-7b", "--batch-per-chip", "1", "--seq-len", "32")
-    assert "==> llama2-7b on tpu-v5p-256: best layout" in out

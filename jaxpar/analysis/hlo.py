@@ -20,6 +20,14 @@ Conventions (all checked on programs compiled by jax 0.10 for CPU and, ahead of 
   pair moves data, and each device sends its operand once (0 bytes when every pair is a self-pair:
   GSPMD emits such pairs and they are local copies).
 - Collectives in computations that nothing calls are left out.
+- Each collective is counted once, however many copies of it the program prints. XLA:TPU (seen on
+  v5e, jax 0.10) splits an async collective into a chain of fusions — start, continuations that
+  overlap it with compute, done — and each fusion holds a copy of it with the same ``channel_id``
+  and ``chain_id`` (a frontend attribute). Copies = same opcode, ``channel_id`` and ``chain_id``;
+  they count once, with the largest ``executions`` among them. A ``channel_id`` alone does not name
+  a collective: XLA:TPU gives ``channel_id=1`` to many different ones, even in one loop body.
+  Instructions without both attributes are each counted (a ``-start``/``-done`` pair once, by its
+  ``-start``).
 - Not counted: ``send``/``recv`` (multi-slice transfers on TPU) and other point-to-point ops.
 """
 from __future__ import annotations
@@ -28,7 +36,7 @@ import math
 import re
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -450,6 +458,13 @@ def _cross_slice_kind(rendezvous: str) -> str:
     return "all-reduce"  # psum, all-reduce, pmax...
 
 
+def _chain_copy_key(ins: _Instr) -> tuple[str, str, str] | None:
+    """(opcode, channel id, chain id) shared by the copies of one chained async collective."""
+    channel = re.search(r"\bchannel_id=(\d+)", ins.attrs)
+    chain = re.search(r'\bchain_id="([^"]*)"', ins.attrs)
+    return (ins.opcode, channel[1], chain[1]) if channel and chain else None
+
+
 def collectives(hlo_text: str, mesh, dcn_axes: tuple[str, ...] = (), num_slices: int = 1) -> list[Collective]:
     """Every collective in the program text, in the order printed.
 
@@ -466,6 +481,7 @@ def collectives(hlo_text: str, mesh, dcn_axes: tuple[str, ...] = (), num_slices:
         for o in set(i.operands):
             users.setdefault(o, []).append(i)
     out = []
+    first_copy: dict[tuple[str, str, str], int] = {}  # chain copy key -> index in out
     for comp, instrs in comps.items():
         for ins in instrs:
             kind = ins.opcode.removesuffix("-start")
@@ -477,6 +493,16 @@ def collectives(hlo_text: str, mesh, dcn_axes: tuple[str, ...] = (), num_slices:
                 continue
             if kind not in KINDS or not runs[comp]:
                 continue
+            key = _chain_copy_key(ins)
+            if key in first_copy:
+                # In every program seen the copies' fusions sit in one computation, so they run
+                # equally often; were a chain split across a loop boundary, the copy inside the
+                # loop is the one that runs each trip.
+                i = first_copy[key]
+                out[i] = replace(out[i], executions=max(out[i].executions, runs[comp]))
+                continue
+            if key:
+                first_copy[key] = len(out)
             result = done[ins.name].shape if ins.opcode.endswith("-start") and ins.name in done else ins.shape
             operand_bytes = sum(shape_bytes(table[o].shape) for o in ins.operands if o in table)
             if kind == "collective-permute":
