@@ -2,7 +2,7 @@
 (libtpu: `pip install -e .[tpu]`) and print the chosen plan's peak memory, traffic by link, roofline
 step time and MFU, next to what MaxText reaches on the same pod.
 
-    python examples/pod_plans.py [PLAN ...] [--batch-per-chip B] [--seq-len L]
+    python examples/pod_plans.py [PLAN ...] [--batch-per-chip B] [--seq-len L] [--model NAME]
                                  # about a minute and a few GB of RAM per 7B compile; the 70B plans
                                  # on 256-512 chips take several minutes and more than 10 GB each
 
@@ -67,6 +67,7 @@ def main():
     parser.add_argument("plans", nargs="*", metavar="PLAN", help=f"plan only these ({', '.join(names)}; default: all)")
     parser.add_argument("--batch-per-chip", type=int, help="instead of each plan's own")
     parser.add_argument("--seq-len", type=int, help="instead of each plan's own")
+    parser.add_argument("--model", help="instead of each plan's model (e.g. tiny: the script in seconds)")
     args = parser.parse_args()
     unknown = [p for p in args.plans if p not in names]
     if unknown:
@@ -77,8 +78,8 @@ def main():
             continue
         topology = load_topology(plan.topology)
         batch = (args.batch_per_chip or plan.batch_per_chip) * topology.num_chips
-        report = compile_report(plan.model, topology, plan.strategy, batch, args.seq_len or plan.seq_len, MAXTEXT_SETTINGS,
-                                alternatives=0)
+        report = compile_report(args.model or plan.model, topology, plan.strategy, batch, args.seq_len or plan.seq_len,
+                                MAXTEXT_SETTINGS, alternatives=0)
         print(format_report(report))
         mem, est = report["memory_per_chip"], report["roofline"]
         links = {}

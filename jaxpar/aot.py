@@ -18,10 +18,12 @@ import jax
 from jaxpar.analysis import hlo, memory, roofline, traffic
 from jaxpar.errors import JaxparError
 from jaxpar.mesh import dcn_misplaced, split_ici_dcn
-from jaxpar.models import llama, model_config
+from jaxpar.models import llama, model_and_loss, model_family
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.topology import Topology
-from jaxpar.train.loop import check_at_least, check_fits_fully_sharded, check_model_axes, check_writable, write_text_atomically
+from jaxpar.train.loop import (
+    RunConfig, check_at_least, check_fits_fully_sharded, check_model_axes, check_writable, run_model_config, write_text_atomically,
+)
 from jaxpar.train.step import TrainConfig, Trainer
 
 
@@ -72,18 +74,23 @@ POD_DEFAULTS = TrainConfig(compute_dtype="bfloat16", remat="full")
 
 
 def compile_report(model, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, cfg: TrainConfig = POD_DEFAULTS,
-                   alternatives: int = 3, dump_hlo: str | os.PathLike | None = None) -> dict:
+                   alternatives: int = 3, dump_hlo: str | os.PathLike | None = None, block_size: int | None = None) -> dict:
     """Compile the training step for ``topology`` and report fit, traffic, cost and estimates.
 
     ``model``: a config name (``tiny``, ``llama2-7b``...) or a ``LlamaConfig``; ``cfg``: every
     option of the step as ``jaxpar train`` takes it (dtypes, remat, micro-batches, attention;
     ``attention="auto"`` is splash on a TPU pod). ``dump_hlo``: a directory to write the compiled
-    program's text into."""
+    program's text into; ``block_size``: a block diffusion model's (``seq_len`` tokens per row,
+    which it reads twice: [x_t ; x_0])."""
 
     name = model if isinstance(model, str) else "the model"
     check_at_least("--batch-size", batch_size, 1)
     check_at_least("--seq-len", seq_len, 1)
-    model_cfg = model if isinstance(model, llama.LlamaConfig) else model_config(model)
+    if isinstance(model, llama.LlamaConfig):
+        model_cfg = model
+    else:
+        model_cfg = run_model_config(RunConfig(model=model, seq_len=seq_len, block_size=block_size))
+    diffusion = model_family(model_cfg) == "bd3lm"
     check_fits_fully_sharded(model_cfg.num_params(), topology, name)
     strategy = parse_strategy(strategy_text, topology.num_chips)  # before the (slow) TPU compiler is loaded
     check_model_axes(strategy, name)
@@ -99,9 +106,9 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
         # the compiled memory is the pod's; lengths splash cannot tile take blockwise
         attention = "splash" if target.compiler == "tpu" and seq_len % 128 == 0 else "blockwise"
     train_cfg = dataclasses.replace(cfg, attention=attention, memory_bytes=topology.hbm_bytes)
-    trainer = Trainer(layout, lambda rngs: llama.Llama(model_cfg, rngs=rngs), llama.loss_fn, train_cfg)
+    trainer = Trainer(layout, *model_and_loss(model_cfg), train_cfg)
     trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"), seq_len)
-    batch = trainer.abstract_batch(batch_size, seq_len)
+    batch = trainer.abstract_batch(batch_size, seq_len, diffusion=diffusion)
     try:
         compiled = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
     except jax.errors.JaxRuntimeError as err:
@@ -122,8 +129,9 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     dcn_axes = tuple(a for a, d in dcn.items() if d > 1)
     cols = hlo.collectives(compiled.as_text(), layout.mesh, dcn_axes, topology.num_slices)
     rows = [(c.kind, c.mesh_axes, c.bytes_per_step, any(dcn[a] > 1 for a in c.mesh_axes)) for c in cols]
-    model_flops = model_cfg.flops_per_token(seq_len) * batch_size * seq_len
-    estimate = _estimate(trainer, strategy, model_cfg, batch_size, seq_len, rows, topology)
+    model_length = 2 * seq_len if diffusion else seq_len  # a block diffusion model reads [x_t ; x_0]
+    model_flops = model_cfg.flops_per_token(model_length) * batch_size * model_length
+    estimate = _estimate(trainer, strategy, model_cfg, batch_size, model_length, rows, topology)
     cost = compiled.cost_analysis() or {}
     by_link = {}
     for c, (_, _, sent, crosses) in zip(cols, rows):
@@ -171,7 +179,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
         "compiler_cost_analysis": {k: cost.get(k) for k in ("flops", "bytes accessed", "optimal_seconds")},
         "model_flops_per_step": model_flops,
         "roofline": estimate.as_dict(),
-        "alternatives": rank_alternatives(trainer, strategy, topology, model_cfg, batch_size, seq_len, alternatives),
+        "alternatives": rank_alternatives(trainer, strategy, topology, model_cfg, batch_size, model_length, alternatives),
     }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import numpy as np
 from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
 from jaxpar.mesh import ParallelSpec
-from jaxpar.models import llama, model_config
+from jaxpar.models import CONFIGS, bd3lm, model_and_loss, model_config, model_family
 from jaxpar.parallel import Strategy, build_layout, parse_strategy
 from jaxpar.topology import Topology
 from jaxpar.train import data
@@ -41,6 +42,7 @@ class RunConfig:
     seq_len: int = 128
     seed: int = 0
     packing: bool = False  # rows of whole documents (train.data.packed_batch_at), not windows of the stream
+    block_size: int | None = None  # a block diffusion model's blocks (None: its config's)
     train: TrainConfig = TrainConfig()
     # TrainConfig fields set on purpose even where they equal the default (the CLI's flags): like
     # any other non-default value, they are refused when the layout would ignore them
@@ -83,6 +85,7 @@ def check_run(run: RunConfig, checkpoint: CheckpointConfig | None = None, resume
     ):
         check_at_least(flag, value, 1)
     check_at_least("--warmup-steps", run.train.warmup_steps, 0)
+    run_model_config(run)
     rate = run.train.learning_rate
     if not (math.isfinite(rate) and rate > 0):
         raise JaxparError(f"--learning-rate {rate:g} must be a finite positive number; give e.g. --learning-rate 3e-3")
@@ -97,6 +100,25 @@ def check_run(run: RunConfig, checkpoint: CheckpointConfig | None = None, resume
     check_writable(checkpoint.directory, "--checkpoint-dir", directory=True)
 
 
+def run_model_config(run: RunConfig):
+    """The config of the run's model, with its ``--block-size`` (block diffusion models only);
+    refuses a block size that does not divide ``--seq-len`` and options the model cannot take."""
+    cfg = model_config(run.model)
+    if model_family(cfg) != "bd3lm":
+        if run.block_size is not None:
+            raise JaxparError(f"--block-size {run.block_size} is for block diffusion models (e.g. --model bd3lm-tiny); "
+                              f"{run.model} is autoregressive: drop it")
+        return cfg
+    if run.packing:
+        raise JaxparError(f"--packing on packs documents for next-token models; {run.model} trains on windows of "
+                          f"--seq-len tokens, split into blocks: drop --packing")
+    if run.block_size is not None:
+        bd3lm.check_block_size(run.block_size)
+        cfg = dataclasses.replace(cfg, block_size=run.block_size)
+    bd3lm.check_blocks(run.seq_len, cfg.block_size)
+    return cfg
+
+
 # Mesh axes the Llama cannot run on yet, and what it lacks: rules.py maps logical axes onto them,
 # but models/llama.py has no expert layers.
 LLAMA_UNSUPPORTED_AXES = {
@@ -105,10 +127,13 @@ LLAMA_UNSUPPORTED_AXES = {
 
 
 def check_model_axes(strategy: Strategy, model: str):
-    """Refuse a strategy with a mesh axis the Llama cannot use yet, suggesting the same degrees
+    """Refuse a strategy with a mesh axis the model cannot use yet, suggesting the same degrees
     with that axis folded into ``data``."""
     degrees = strategy.spec.degrees
-    for axis, why in LLAMA_UNSUPPORTED_AXES.items():
+    unsupported = dict(LLAMA_UNSUPPORTED_AXES)
+    if model in CONFIGS and model_family(CONFIGS[model]) == "bd3lm":
+        unsupported["context"] = "its three-part mask needs each row's whole sequence"
+    for axis, why in unsupported.items():
         if degrees[axis] > 1:
             instead = dataclasses.replace(strategy, spec=ParallelSpec(dict(degrees, **{axis: 1, "data": degrees["data"] * degrees[axis]})))
             raise JaxparError(
@@ -186,7 +211,7 @@ def build_trainer(run: RunConfig, topology: Topology):
     """(Trainer, parsed strategy, model config) of a run: its Llama under its strategy on the
     topology's devices. Nothing is allocated; a state that cannot fit in the topology's memory, a
     mesh axis the model cannot use and options the layout would ignore are refused first."""
-    cfg = model_config(run.model)
+    cfg = run_model_config(run)
     check_fits_fully_sharded(cfg.num_params(), topology, run.model)
     devices = devices_for(topology)
     strategy = parse_strategy(run.strategy, len(devices))
@@ -194,7 +219,7 @@ def build_trainer(run: RunConfig, topology: Topology):
     _check_unused_options(run, strategy)
     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
     train_cfg = dataclasses.replace(run.train, total_steps=run.steps, memory_bytes=run.train.memory_bytes or topology.hbm_bytes)
-    trainer = Trainer(layout, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, train_cfg)
+    trainer = Trainer(layout, *model_and_loss(cfg), train_cfg)
     check_state_fits(trainer, topology, f"{run.model} under {strategy}")
     return trainer, strategy, cfg
 
@@ -264,12 +289,16 @@ def run_training(
         ckpt = Checkpointer(checkpoint) if checkpoint else None
 
     state, start, resumed = _start_state(trainer, run, ckpt, resume, log)
-    example = trainer.abstract_batch(run.batch_size, run.seq_len, packed=run.packing)
+    diffusion = model_family(cfg) == "bd3lm"
+    example = trainer.abstract_batch(run.batch_size, run.seq_len, packed=run.packing, diffusion=diffusion)
     compiled = trainer.jit_step(example).lower(state, example).compile()
     meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": layout.mesh.size, "processes": jax.process_count()}
     if run.packing:  # whole documents packed into rows
         train, held = data.documents(tokens), data.documents(held_out)
         rows_at = data.packed_batch_at
+    elif diffusion:  # windows of the token stream, each block corrupted at a noise level of its own
+        train, held = tokens, held_out
+        rows_at = functools.partial(data.diffusion_batch_at, cfg=cfg)
     else:  # random windows of the token stream
         train, held, rows_at = tokens, held_out, data.local_batch_at
     batch_of = lambda corpus, step: trainer.put_process_batch(  # noqa: E731
@@ -336,8 +365,9 @@ def run_training(
         held_out_loss = _scalar(compiled(state, batch_of(held, 0))[1]["loss"])
     steady = times[1:] or times or [float("nan")]
     tokens_per_s = run.batch_size * run.seq_len / float(np.median(steady))
-    analysis = analyze(trainer, compiled, strategy, cfg, (run.batch_size, run.seq_len)) if analyze else {}
-    flops = cfg.flops_per_token(run.seq_len) * run.batch_size * run.seq_len
+    model_length = 2 * run.seq_len if diffusion else run.seq_len  # a block diffusion model reads [x_t ; x_0]
+    analysis = analyze(trainer, compiled, strategy, cfg, (run.batch_size, model_length)) if analyze else {}
+    flops = cfg.flops_per_token(model_length) * run.batch_size * model_length
     return {
         "model": run.model,
         "num_params": cfg.num_params(),

@@ -1,0 +1,269 @@
+"""BD3-LM: a block diffusion language model, autoregressive over blocks and a masked (absorbing
+state) discrete diffusion inside each block.
+
+A sequence of ``L`` tokens is cut into ``N = L / block_size`` blocks. The model learns
+p(block b | blocks < b) by denoising: block b is corrupted at a noise level t_b in (0, 1] (each
+token replaced by the MASK id with probability t_b: the linear schedule alpha(t) = 1 - t keeps
+a token with probability alpha), and the model predicts the clean tokens at the masked places
+from the rest of the block and from the clean blocks before it.
+
+Training runs every block at once. The model reads ``2L`` tokens: the corrupted sequence x_t
+(each block at its own t_b) followed by the clean sequence x_0. Noisy token i and clean token i
+share RoPE position i. The attention mask over the ``2N`` blocks of that input (noisy blocks
+0..N-1, then clean blocks N..2N-1) has three parts:
+
+- a noisy block sees itself, in both directions (the diffusion inside the block);
+- a noisy block sees the clean blocks strictly before its own (what it is conditioned on);
+- a clean block sees the clean blocks up to and including its own (block-causal: it computes
+  the keys and values the later noisy blocks read, as a KV cache would at sampling time).
+
+Clean blocks never see noisy ones, so the clean half is exactly the model's view of the prefix.
+
+The objective is the diffusion bound's cross-entropy on the masked noisy tokens, each weighted
+by -alpha'(t_b) / (1 - alpha(t_b)) = 1 / t_b, averaged over the batch's ``L`` noisy positions
+per row (unmasked and clean positions weigh 0; the targets are x_0). It is written as jaxpar's
+``cross_entropy`` over all ``2L`` positions with weights ``2 [masked] / t_b`` on the noisy half,
+so it stays exact under a vocab-parallel layout.
+
+The noise levels are drawn uniformly from a clipped range ``t_range`` (default ``T_RANGE``, see
+there). The corruption is a numpy function of the clean tokens and a seed or Generator
+(``corrupt``): a batch is made on the host, deterministically, and the same batch feeds one device
+and every layout. Positions, targets and weights travel in the batch as (batch, 2L) arrays like
+the other dict batches of jaxpar (``train.data.packed_batch_at``).
+
+The network is the Llama of ``llama.py`` (the same weights and logical names, its scanned layers
+with this mask instead of the causal one), over a vocabulary of the data's tokens plus MASK,
+padded to a multiple of ``VOCAB_MULTIPLE``. The logits of MASK and of the padding ids are pushed
+to the dtype's lowest value: a clean token is never MASK, so the model gives it no probability.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.attention import BlockMask, Mask
+from jaxpar.errors import JaxparError
+from jaxpar.models import llama
+from jaxpar.models.llama import LOGITS, RESIDUAL, LayerStack, LlamaConfig, _layers, _logits, _param
+from jaxpar.nn import cross_entropy, embed_lookup, shard_offset
+
+# The noise range. The lower end bounds the loss weight 1/t (at most 10) and with it the loss's
+# variance: if every masked token cost the same c, a block of B tokens at t ~ U[a, b] would have
+# the variance c^2 / B * (ln(b / a) / (b - a) - 1) from the masking alone: 1.6 c^2 / B for
+# [0.1, 1] against 5.9 c^2 / B for [0.001, 1]. The upper end stays 1: a fully masked block is
+# where sampling starts, so it is trained on. Tighter ranges tuned per block size can be passed.
+T_RANGE = (0.1, 1.0)
+BLOCK_SIZE = 16  # the configs' default; the mask and the corruption take it as an argument
+# The embedding and unembedding are padded to a multiple of this many ids: data + MASK alone
+# (257 for bytes) divides by no tensor degree, and jaxpar refuses a vocab dim that does not split.
+VOCAB_MULTIPLE = 128
+
+
+# --- checks ----------------------------------------------------------------------------------------
+
+
+def check_block_size(block_size) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
+        raise JaxparError(f"block_size={block_size!r} must be a positive int (tokens per diffusion block), e.g. {BLOCK_SIZE}")
+
+
+def check_blocks(length: int, block_size: int) -> int:
+    """The number of blocks of a ``length``-token sequence; refuses a block size that does not divide it."""
+    check_block_size(block_size)
+    if length <= 0 or length % block_size:
+        divisors = [d for d in range(1, length + 1) if length % d == 0] if length > 0 else []
+        raise JaxparError(f"block_size={block_size} does not divide the sequence length {length}: choose a block size "
+                          f"among {', '.join(map(str, divisors)) or 'none (the length must be positive)'}, or a length "
+                          f"that is a multiple of {block_size}")
+    return length // block_size
+
+
+def check_t_range(t_range) -> None:
+    lo, hi = t_range
+    if not 0 < lo <= hi <= 1:
+        raise JaxparError(f"t_range={tuple(t_range)} must satisfy 0 < t_min <= t_max <= 1 (t_min > 0 keeps the loss "
+                          f"weight 1/t bounded), e.g. {T_RANGE}")
+
+
+# --- configs ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BD3LMConfig(LlamaConfig):
+    """A Llama's shapes with the diffusion's own: ids ``[0, data_vocab)`` are data, ``data_vocab``
+    is MASK, ``[data_vocab + 1, vocab_size)`` padding; ``block_size`` and ``t_range`` are the
+    defaults of ``loss_fn`` and of batches made for this model."""
+
+    data_vocab: int = dataclasses.field(kw_only=True)
+    block_size: int = dataclasses.field(default=BLOCK_SIZE, kw_only=True)
+    t_range: tuple[float, float] = dataclasses.field(default=T_RANGE, kw_only=True)
+
+    def __post_init__(self):
+        if not 0 < self.data_vocab < self.vocab_size:
+            raise JaxparError(f"data_vocab={self.data_vocab} must be positive and below vocab_size={self.vocab_size}: "
+                              f"the id data_vocab is the MASK token")
+        check_block_size(self.block_size)
+        check_t_range(self.t_range)
+
+    @property
+    def mask_id(self) -> int:
+        return self.data_vocab
+
+
+def diffusion_config(base: LlamaConfig, data_vocab: int, **options) -> BD3LMConfig:
+    """``base``'s shapes over ``data_vocab`` data ids plus MASK, padded to ``VOCAB_MULTIPLE``."""
+    shapes = {f.name: getattr(base, f.name) for f in dataclasses.fields(LlamaConfig)}
+    shapes["vocab_size"] = -(-(data_vocab + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    return BD3LMConfig(**shapes, data_vocab=data_vocab, **options)
+
+
+CONFIGS = {
+    "bd3lm-tiny": diffusion_config(llama.CONFIGS["tiny"], 256),  # the main job's tokens are bytes
+    "bd3lm-8b": diffusion_config(llama.CONFIGS["llama3-8b"], 128_256),
+}
+
+
+# --- the mask --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _ThreePart:
+    """``allowed(query block, key block)`` over [N noisy blocks | N clean blocks]. A dataclass
+    rather than a closure, so that two masks of one shape compare equal."""
+
+    blocks: int  # N: blocks per half
+
+    def __call__(self, qb: int, kb: int) -> bool:
+        n = self.blocks
+        if qb < n:  # noisy query: its own noisy block, and the clean blocks before it
+            return kb == qb if kb < n else kb - n < qb
+        return n <= kb <= qb  # clean query: clean blocks up to its own
+
+
+def block_diffusion_mask(length: int, block_size: int) -> Mask:
+    """The three-part mask over the ``2 * length`` tokens [x_t ; x_0] (see the module doc), as a
+    block mask the attention op evaluates blockwise, on chunks and on a ring (traced offsets)."""
+    n = check_blocks(length, block_size)
+    return Mask(blocks=BlockMask(_ThreePart(n), block_size, num_blocks=(2 * n, 2 * n)))
+
+
+def positions_for(length: int, rows: int = 1) -> np.ndarray:
+    """(rows, 2 * length) RoPE positions: noisy token i and clean token i both at i."""
+    return np.tile(np.arange(length, dtype=np.int32), (rows, 2))
+
+
+# --- the corruption (host side, numpy) ------------------------------------------------------------
+
+
+def _token_rows(tokens) -> np.ndarray:
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise JaxparError(f"tokens must be int (rows, length); got {tokens.dtype} of shape {tokens.shape}")
+    return tokens
+
+
+def noise_levels(rng, rows: int, blocks: int, t_range=T_RANGE) -> np.ndarray:
+    """(rows, blocks) float32 noise levels t, uniform in ``t_range``; ``rng``: a numpy Generator,
+    or a seed for one (an int, or a tuple such as (seed, step))."""
+    check_t_range(t_range)
+    return np.random.default_rng(rng).uniform(t_range[0], t_range[1], size=(rows, blocks)).astype(np.float32)
+
+
+def mask_tokens(tokens, block_size: int, t, rng, *, mask_id: int) -> dict:
+    """The training batch for clean ``tokens`` (rows, L) with block b of each row corrupted at noise
+    level ``t[row, b]``: each of its tokens becomes ``mask_id`` with probability t. A dict of
+    (rows, 2L) arrays: ``inputs`` [x_t ; x_0] and ``targets`` [x_0 ; x_0] (int32), ``positions``
+    (int32, ``positions_for``), ``weights`` (float32: 2 / t_b on masked noisy tokens, else 0)."""
+    tokens = _token_rows(tokens)
+    rows, length = tokens.shape
+    n = check_blocks(length, block_size)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= mask_id):
+        raise JaxparError(f"token ids must lie in [0, mask_id={mask_id}) (the MASK id is the first one after the data's); "
+                          f"got ids in [{tokens.min()}, {tokens.max()}]")
+    t = np.asarray(t, np.float32)
+    if t.shape != (rows, n):
+        raise JaxparError(f"t must hold one noise level per block, shape {(rows, n)}; got {t.shape}")
+    t_token = np.repeat(t, block_size, axis=1)  # each token's block's level
+    masked = np.random.default_rng(rng).random((rows, length)) < t_token
+    noisy = np.where(masked, mask_id, tokens)
+    # 2 / t: the cross-entropy means over 2L positions, the objective over the L noisy ones
+    weights = np.where(masked, 2.0 / t_token, 0.0).astype(np.float32)
+    return {
+        "inputs": np.concatenate([noisy, tokens], axis=1).astype(np.int32),
+        "targets": np.concatenate([tokens, tokens], axis=1).astype(np.int32),
+        "positions": positions_for(length, rows),
+        "weights": np.concatenate([weights, np.zeros_like(weights)], axis=1),
+    }
+
+
+def corrupt(tokens, block_size: int, rng, *, mask_id: int, t_range=T_RANGE) -> dict:
+    """``mask_tokens`` at noise levels drawn from ``t_range``, one per block of each row. A pure
+    function of the tokens, the block size and ``rng`` (a numpy Generator, or a seed such as
+    (seed, step)): the same arguments give the same batch on every host."""
+    tokens = _token_rows(tokens)
+    rng = np.random.default_rng(rng)
+    n = check_blocks(tokens.shape[1], block_size)
+    t = noise_levels(rng, tokens.shape[0], n, t_range)
+    return mask_tokens(tokens, block_size, t, rng, mask_id=mask_id)
+
+
+# --- the model -------------------------------------------------------------------------------------
+
+
+class BD3LM(nnx.Module):
+    """The Llama network (the same weights and logical names) run on [x_t ; x_0] under the
+    three-part mask; logits over ``vocab_size`` ids, of which only the data's can be predicted."""
+
+    def __init__(self, cfg: BD3LMConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = _param(rngs, (cfg.vocab_size, cfg.embed), ("vocab", "embed"), nnx.initializers.normal(1.0))
+        self.layers = LayerStack(cfg, rngs=rngs)
+        self.final_norm = _param(rngs, (cfg.embed,), ("embed",), nnx.initializers.ones)
+        if not cfg.tie_embeddings:
+            self.unembedding = _param(
+                rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"), nnx.initializers.normal(cfg.embed**-0.5)
+            )
+
+    def __call__(self, tokens, positions=None, block_size: int | None = None):
+        """Logits (batch, 2L, vocab) for int tokens (batch, 2L) = [x_t ; x_0]; ``positions``
+        default ``positions_for(L)``; ``block_size`` default the config's."""
+        block_size = self.cfg.block_size if block_size is None else block_size
+        if tokens.shape[1] % 2:
+            raise JaxparError(f"a BD3-LM reads [x_t ; x_0], an even number of tokens per row; got {tokens.shape[1]}")
+        length = tokens.shape[1] // 2
+        # Under context parallelism a device holds some positions of each row, and the mask needs the
+        # whole row's block count, which the model cannot see from here: refuse rather than mis-mask.
+        if not isinstance(shard_offset(("batch", "length", "embed"), 1, tokens.shape[1]), int):
+            raise JaxparError("a BD3-LM cannot run with the sequence split over devices (context parallelism) yet: "
+                              "its mask needs the whole sequence's length; drop context= from the strategy")
+        mask = block_diffusion_mask(length, block_size)
+        if positions is None:
+            positions = jnp.asarray(positions_for(length, tokens.shape[0]))
+        x = embed_lookup(self.embedding[...], tokens, RESIDUAL)
+        x = _layers(x, nnx.state(self.layers), self.cfg, positions, mask)
+        head = {"final_norm": self.final_norm[...], "embedding": self.embedding[...]}
+        if not self.cfg.tie_embeddings:
+            head["unembedding"] = self.unembedding[...]
+        return _data_only(_logits(x, head, self.cfg), self.cfg.data_vocab)
+
+
+def _data_only(logits, data_vocab: int):
+    """Logits with MASK and the padding ids at the dtype's lowest value (finite: a -inf logit times
+    a zero one-hot would be NaN in the cross-entropy). With the vocabulary split over devices each
+    device holds the ids from its shard's offset."""
+    local = logits.shape[-1]
+    ids = shard_offset(LOGITS, 2, local) + jnp.arange(local)
+    return jnp.where(ids < data_vocab, logits, jnp.finfo(logits.dtype).min)
+
+
+def loss_fn(model: BD3LM, batch: dict, block_size: int | None = None):
+    """The BD3-LM objective on a batch from ``corrupt`` / ``mask_tokens`` (keys ``inputs``,
+    ``targets``, ``positions``, ``weights``, each (batch, 2L)): the 1/t-weighted cross-entropy of
+    the masked noisy tokens, mean over the batch's noisy positions. ``block_size`` must be the
+    batch's (default: the model config's)."""
+    logits = model(batch["inputs"], batch["positions"], block_size)
+    return cross_entropy(logits, batch["targets"], LOGITS, batch["weights"])
