@@ -206,6 +206,58 @@ def _compile(args) -> int:
     return EXIT_OK
 
 
+def _generate_parser(sub):
+    p = sub.add_parser("generate", help="continue a prompt with a block diffusion model (bd3lm-*) from a checkpoint of jaxpar train")
+    p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="a --checkpoint-dir of jaxpar train --model bd3lm-...")
+    p.add_argument("--prompt", default="", help="text to continue (UTF-8 bytes, the main job's tokens)")
+    p.add_argument("--new-blocks", type=int, default=4, help="blocks to generate (default 4)")
+    p.add_argument("--denoise-steps", type=int, help="denoising steps per block (1 to the block size; default the block size)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above 0: sample")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of ids holding this much probability")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--topology", default="cpu-1", help="devices to run on (default one CPU device)")
+    p.add_argument("--strategy", help='a layout for the weights, e.g. "tensor=2" (default: one device)')
+    p.add_argument("--json", metavar="PATH", help="write the tokens, the text and the time as JSON")
+    return p
+
+
+def _generate(args) -> int:
+    import time
+
+    from jaxpar.topology import load_topology
+
+    topology = load_topology(args.topology)
+    if topology.platform == "cpu":
+        _simulate_cpu_devices(topology.num_chips)
+    from jaxpar.serve import bd3lm as sampler
+    from jaxpar.train.loop import check_at_least, check_writable, devices_for, write_json_atomically
+
+    check_at_least("--new-blocks", args.new_blocks, 1)
+    # the bound of --denoise-steps, the block size, is the checkpoint's: checked again once it is read
+    steps = 1 if args.denoise_steps is None else args.denoise_steps
+    sampler.check_sampling(max(steps, 1), steps, args.temperature, args.top_p)
+    if args.json:
+        check_writable(args.json, "--json")
+    layout = None
+    if args.strategy:
+        from jaxpar.parallel import build_layout, parse_strategy
+
+        devices = devices_for(topology)
+        layout = build_layout(parse_strategy(args.strategy, len(devices)), devices)
+    began = time.perf_counter()
+    out = sampler.generate_from_checkpoint(args.checkpoint_dir, args.prompt, args.new_blocks, denoise_steps=args.denoise_steps,
+                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed, layout=layout)
+    seconds = time.perf_counter() - began
+    print(out.text)
+    new = len(out.tokens) - out.prompt_tokens
+    print(f"\n{new} new tokens in {seconds:.2f} s ({new / seconds:.0f} tokens/s, restore and compiles included); "
+          f"{out.model} checkpoint {out.step}", file=sys.stderr)
+    if args.json:
+        write_json_atomically(args.json, {"text": out.text, "continuation": out.continuation, "tokens": [int(t) for t in out.tokens],
+                                          "prompt_tokens": out.prompt_tokens, "seconds": seconds, "model": out.model, "step": out.step})
+    return EXIT_OK
+
+
 def _check_parser(sub):
     p = sub.add_parser("check", help="one step of a layout against the same model on one device: names every weight whose gradient differs")
     p.add_argument("--model", default="tiny")
@@ -380,6 +432,7 @@ def main(argv=None) -> int:
     _launch_parser(sub)
     _checkpoints_parser(sub)
     _check_parser(sub)
+    _generate_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -387,7 +440,7 @@ def main(argv=None) -> int:
     from jaxpar.errors import JaxparError, JobFailed
 
     command = {"train": _train, "bench": _bench, "compile": _compile, "launch": _launch, "checkpoints": _checkpoints,
-               "check": _check}[args.command]
+               "check": _check, "generate": _generate}[args.command]
     message = None
     with _sigterm_raises():
         try:

@@ -43,13 +43,12 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxpar.attention import BlockMask, Mask
 from jaxpar.errors import JaxparError
 from jaxpar.models import llama
-from jaxpar.models.llama import LOGITS, RESIDUAL, LayerStack, LlamaConfig, _layers, _logits, _param
-from jaxpar.nn import cross_entropy, embed_lookup, shard_offset
+from jaxpar.models.llama import LOGITS, LlamaConfig
+from jaxpar.nn import cross_entropy, shard_offset
 
 # The noise range. The lower end bounds the loss weight 1/t (at most 10) and with it the loss's
 # variance: if every masked token cost the same c, a block of B tokens at t ~ U[a, b] would have
@@ -214,19 +213,9 @@ def corrupt(tokens, block_size: int, rng, *, mask_id: int, t_range=T_RANGE) -> d
 # --- the model -------------------------------------------------------------------------------------
 
 
-class BD3LM(nnx.Module):
+class BD3LM(llama.Llama):
     """The Llama network (the same weights and logical names) run on [x_t ; x_0] under the
     three-part mask; logits over ``vocab_size`` ids, of which only the data's can be predicted."""
-
-    def __init__(self, cfg: BD3LMConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embedding = _param(rngs, (cfg.vocab_size, cfg.embed), ("vocab", "embed"), nnx.initializers.normal(1.0))
-        self.layers = LayerStack(cfg, rngs=rngs)
-        self.final_norm = _param(rngs, (cfg.embed,), ("embed",), nnx.initializers.ones)
-        if not cfg.tie_embeddings:
-            self.unembedding = _param(
-                rngs, (cfg.embed, cfg.vocab_size), ("embed", "vocab"), nnx.initializers.normal(cfg.embed**-0.5)
-            )
 
     def __call__(self, tokens, positions=None, block_size: int | None = None):
         """Logits (batch, 2L, vocab) for int tokens (batch, 2L) = [x_t ; x_0]; ``positions``
@@ -243,12 +232,7 @@ class BD3LM(nnx.Module):
         mask = block_diffusion_mask(length, block_size)
         if positions is None:
             positions = jnp.asarray(positions_for(length, tokens.shape[0]))
-        x = embed_lookup(self.embedding[...], tokens, RESIDUAL)
-        x = _layers(x, nnx.state(self.layers), self.cfg, positions, mask)
-        head = {"final_norm": self.final_norm[...], "embedding": self.embedding[...]}
-        if not self.cfg.tie_embeddings:
-            head["unembedding"] = self.unembedding[...]
-        return _data_only(_logits(x, head, self.cfg), self.cfg.data_vocab)
+        return _data_only(self.network(tokens, positions, mask), self.cfg.data_vocab)
 
 
 def _data_only(logits, data_vocab: int):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.attention import CAUSAL, attention
+from jaxpar.attention import BIDIRECTIONAL, CAUSAL, attention
 from jaxpar.nn import constrain, cross_entropy, embed_lookup, enter_block, reduce_partial, shard_offset
 
 # Activation layouts: the residual stream, and the inside of attention / MLP blocks.
@@ -103,13 +103,33 @@ class Llama(nnx.Module):
         the call and each layer's slice of the stacked ones when the scan reads it."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        mask = CAUSAL if segments is None else CAUSAL.with_segments(segments)
+        return self.network(tokens, positions, CAUSAL if segments is None else CAUSAL.with_segments(segments))
+
+    def network(self, tokens, positions, mask):
+        """Logits of the network under any attention ``mask`` (models on the Llama's weights
+        choose their own: the block diffusion model's three-part mask)."""
         x = embed_lookup(self.embedding[...], tokens, RESIDUAL)
         x = _layers(x, nnx.state(self.layers), self.cfg, positions, mask)
+        return _logits(x, self._head(), self.cfg)
+
+    def network_cached(self, tokens, positions, cache, cache_valid):
+        """The network for serving with a KV cache: (logits (batch, n, vocab), (keys, values)) of
+        ``tokens`` (batch, n) at ``positions`` (batch, n), each attending to the other n tokens
+        and to the cached positions where ``cache_valid`` (batch, cached) is True.
+
+        ``cache`` = (keys, values), each (layers, batch, cached, kv_heads, head_dim): the keys
+        after RoPE, as this returns them for its own tokens (layers, batch, n, kv_heads,
+        head_dim), so that a caller can append them to its cache. The same layers as ``network``
+        (``_block``), the tokens' keys and values placed after the cached ones."""
+        x = embed_lookup(self.embedding[...], tokens, RESIDUAL)
+        x, new_kv = _layers_cached(x, nnx.state(self.layers), self.cfg, positions, cache, cache_valid)
+        return _logits(x, self._head(), self.cfg), new_kv
+
+    def _head(self):
         head = {"final_norm": self.final_norm[...], "embedding": self.embedding[...]}
         if not self.cfg.tie_embeddings:
             head["unembedding"] = self.unembedding[...]
-        return _logits(x, head, self.cfg)
+        return head
 
 
 def loss_fn(model: Llama, batch):
@@ -148,9 +168,23 @@ def _layers(x, layers, cfg, positions, mask):
     body by the run's remat policy: ``jaxpar.train.remat``.)"""
     def layer(x, stacked_slice):
         w = {name: var[...] for name, var in stacked_slice.items()}
-        return _block(x, w, cfg, positions, mask), None
+        return _block(x, w, cfg, positions, mask)[0], None
 
     return jax.lax.scan(layer, x, layers)[0]
+
+
+def _layers_cached(x, layers, cfg, positions, cache, cache_valid):
+    """``_layers`` for ``Llama.network_cached``: each layer also reads its slice of the cached
+    (keys, values) and yields its own; the queries see every valid cached key and every new one."""
+    own = jnp.ones(x.shape[:2], bool)
+    mask = BIDIRECTIONAL.with_segments(own, jnp.concatenate([cache_valid, own], axis=1))  # invalid cache slots: segment False
+
+    def layer(x, inputs):
+        stacked_slice, past = inputs
+        w = {name: var[...] for name, var in stacked_slice.items()}
+        return _block(x, w, cfg, positions, mask, past)
+
+    return jax.lax.scan(layer, x, (layers, cache))
 
 
 def _logits(x, head, cfg):
@@ -179,15 +213,20 @@ def _rope(x, positions, theta):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _attention(h, w, cfg, positions, mask):
+def _attention(h, w, cfg, positions, mask, past=None):
+    """(attention output, (keys, values) of these positions); ``past``: the (keys, values) of
+    earlier positions (a KV cache), attended to before these positions' own."""
     q = _rope(jnp.einsum("ble,ehd->blhd", h, w["wq"]), positions, cfg.rope_theta)
     wk, wv = _kv_for_local_heads(w["wk"], w["wv"], cfg, q.shape[2])
     k = _rope(jnp.einsum("ble,ekd->blkd", h, wk), positions, cfg.rope_theta)
     v = jnp.einsum("ble,ekd->blkd", h, wv)
     q = constrain(q, ("batch", "length", "heads", "head_dim"))
     k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+    own = (k, v)
+    if past is not None:
+        k, v = (jnp.concatenate([cached, new], axis=1) for cached, new in zip(past, own))
     out = constrain(attention(q, k, v, mask), ("batch", "length", "heads", "head_dim"))
-    return jnp.einsum("blhd,hde->ble", out, w["wo"])
+    return jnp.einsum("blhd,hde->ble", out, w["wo"]), own
 
 
 def _kv_for_local_heads(wk, wv, cfg, local_heads: int):
@@ -202,10 +241,12 @@ def _kv_for_local_heads(wk, wv, cfg, local_heads: int):
     return (jax.lax.dynamic_slice_in_dim(wk, first, count, axis=1), jax.lax.dynamic_slice_in_dim(wv, first, count, axis=1))
 
 
-def _block(x, w, cfg, positions, mask):
+def _block(x, w, cfg, positions, mask, past=None):
+    """(the layer's output, its (keys, values)); ``past`` as ``_attention`` takes it."""
     h = enter_block(_rms_norm(x, w["attn_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
-    x = x + reduce_partial(_attention(h, w, cfg, positions, mask), ("heads", "head_dim"), RESIDUAL)
+    attended, kv = _attention(h, w, cfg, positions, mask, past)
+    x = x + reduce_partial(attended, ("heads", "head_dim"), RESIDUAL)
     h = enter_block(_rms_norm(x, w["mlp_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
     act = jax.nn.silu(jnp.einsum("ble,em->blm", h, w["w_gate"])) * jnp.einsum("ble,em->blm", h, w["w_up"])
     act = constrain(act, ("batch", "length", "mlp"))
-    return x + reduce_partial(jnp.einsum("blm,me->ble", act, w["w_down"]), ("mlp",), RESIDUAL)
+    return x + reduce_partial(jnp.einsum("blm,me->ble", act, w["w_down"]), ("mlp",), RESIDUAL), kv

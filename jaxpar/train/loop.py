@@ -293,6 +293,8 @@ def run_training(
     example = trainer.abstract_batch(run.batch_size, run.seq_len, packed=run.packing, diffusion=diffusion)
     compiled = trainer.jit_step(example).lower(state, example).compile()
     meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": layout.mesh.size, "processes": jax.process_count()}
+    if diffusion:  # the sampler reads the blocks the model was trained on
+        meta["block_size"] = cfg.block_size
     if run.packing:  # whole documents packed into rows
         train, held = data.documents(tokens), data.documents(held_out)
         rows_at = data.packed_batch_at
