@@ -35,6 +35,16 @@ def _simulate_cpu_devices(count: int):
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
+def _cpu_topology_simulated(name: str):
+    """The topology called ``name``; a CPU one gets its simulated devices (before JAX starts)."""
+    from jaxpar.topology import load_topology
+
+    topology = load_topology(name)
+    if topology.platform == "cpu":
+        _simulate_cpu_devices(topology.num_chips)
+    return topology
+
+
 def _train_parser(sub):
     p = sub.add_parser("train", help="train a Llama under a layout on the shipped corpus (default: tiny, cpu-8, fsdp=4,tensor=2)")
     p.add_argument("--model", default="tiny", help="tiny | llama-1b | llama2-7b | llama3-8b | llama2-70b | bd3lm-tiny | bd3lm-8b")
@@ -136,11 +146,7 @@ def _bench_parser(sub):
 
 
 def _bench(args) -> int:
-    from jaxpar.topology import load_topology
-
-    topology = load_topology(args.topology)
-    if topology.platform == "cpu":
-        _simulate_cpu_devices(topology.num_chips)
+    topology = _cpu_topology_simulated(args.topology)
     from jaxpar.bench import STRATEGIES, bench, format_table, parse_strategies
     from jaxpar.train.loop import RunConfig, check_writable, write_json_atomically
 
@@ -224,11 +230,7 @@ def _generate_parser(sub):
 def _generate(args) -> int:
     import time
 
-    from jaxpar.topology import load_topology
-
-    topology = load_topology(args.topology)
-    if topology.platform == "cpu":
-        _simulate_cpu_devices(topology.num_chips)
+    topology = _cpu_topology_simulated(args.topology)
     from jaxpar.serve import bd3lm as sampler
     from jaxpar.train.loop import check_at_least, check_writable, devices_for, write_json_atomically
 
@@ -274,11 +276,7 @@ def _check_parser(sub):
 
 
 def _check(args) -> int:
-    from jaxpar.topology import load_topology
-
-    topology = load_topology(args.topology)
-    if topology.platform == "cpu":
-        _simulate_cpu_devices(topology.num_chips)
+    topology = _cpu_topology_simulated(args.topology)
     import numpy as np
 
     from jaxpar.train.loop import RunConfig, build_trainer, check_run
