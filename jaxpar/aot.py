@@ -176,11 +176,21 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
             "zero_table": memory.zero_table(trainer, strategy),
         },
         "collectives": by_link,
+        "float32_gradient_reduction": _float32_gradient_bytes(cols, layout) if train_cfg.grad_reduce_dtype == "float32" else None,
         "compiler_cost_analysis": {k: cost.get(k) for k in ("flops", "bytes accessed", "optimal_seconds")},
         "model_flops_per_step": model_flops,
         "roofline": estimate.as_dict(),
         "alternatives": rank_alternatives(trainer, strategy, topology, model_cfg, batch_size, model_length, alternatives),
     }
+
+
+def _float32_gradient_bytes(cols, layout) -> dict:
+    """What jaxpar's default, gradients reduced in float32, costs: the bytes per chip of the float32
+    reductions over the axes the loss is summed over (bf16 would send half of them)."""
+    summed = set(layout.loss_axes)
+    sent = sum(c.bytes_per_step for c in cols
+               if c.kind in ("reduce-scatter", "all-reduce") and c.dtype == "f32" and c.mesh_axes and set(c.mesh_axes) <= summed)
+    return {"bytes_per_chip": sent, "bfloat16_saves": sent / 2}
 
 
 def _estimate(trainer, strategy, model_cfg, batch_size: int, seq_len: int, rows, topology: Topology) -> roofline.StepEstimate:
@@ -250,6 +260,10 @@ def format_report(report: dict) -> str:
     lines += ["", "collectives per step (bytes per chip)"]
     for name, row in sorted(report["collectives"].items(), key=lambda kv: -kv[1]["bytes_per_chip"]):
         lines.append(f"  {name:44s} x{row['count']:<6d} {gib(row['bytes_per_chip'])}")
+    if report["float32_gradient_reduction"]:
+        f32 = report["float32_gradient_reduction"]
+        lines.append(f"  gradients are reduced in float32 (the default: never silently bf16): {gib(f32['bytes_per_chip']).strip()}; "
+                     f"--grad-reduce-dtype bfloat16 would send {gib(f32['bfloat16_saves']).strip()} less")
     cost = report["compiler_cost_analysis"]
     lines += [
         "",
