@@ -336,11 +336,12 @@ class Sampler:
 # --- from a checkpoint of the main job -------------------------------------------------------------
 
 
-def restore_model(checkpoint_dir: str, *, layout: Layout | None = None, step: int | None = None):
+def restore_model(checkpoint_dir: str, *, layout: Layout | None = None, step: int | None = None, check_meta=None):
     """(model, meta) of a ``jaxpar train`` checkpoint of a block diffusion model (default: the
     newest): only the TrainState's parameters are read, straight into ``layout``'s compute
     shardings (default: the first device), and checked against their saved checksums
-    (``CheckpointDamaged`` names a damaged array)."""
+    (``CheckpointDamaged`` names a damaged array). ``check_meta(meta, cfg)`` may refuse the
+    request from the checkpoint's meta before any array is read."""
     ckpt = checkpoint_lib.Checkpointer.existing(checkpoint_lib.CheckpointConfig(checkpoint_dir))
     try:
         step = ckpt.latest_step() if step is None else step
@@ -351,6 +352,8 @@ def restore_model(checkpoint_dir: str, *, layout: Layout | None = None, step: in
         if model_family(cfg) != "bd3lm":
             raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} holds {meta['model']!r}, an autoregressive model; this "
                               f"sampler generates from block diffusion models (train with --model bd3lm-...)")
+        if check_meta is not None:
+            check_meta(meta, cfg)
         graphdef, abstract = abstract_model(model_and_loss(cfg)[0])
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         where = (lambda var: one) if layout is None else (lambda var: _compute_sharding(var, layout))
@@ -403,9 +406,15 @@ def generate_from_checkpoint(checkpoint_dir: str, prompt_text: str, new_blocks: 
     checkpoint (``restore_model``), as ``Sampler.generate`` does on its UTF-8 bytes.
     ``block_size``: default the run's ``--block-size``, as its checkpoint records it. ``max_length``: default the run's ``--seq-len`` (positions beyond it were never
     trained on; pass a larger one to go further)."""
-    model, meta = restore_model(checkpoint_dir, layout=layout, step=step)
-    if block_size is None:
-        block_size = meta.get("block_size")  # the run's --block-size (None before runs recorded it: the config's)
+    def run_block_size(meta, cfg):  # the run's --block-size (runs before it was recorded: the config's)
+        return block_size or meta.get("block_size") or cfg.block_size
+
+    def check(meta, cfg):  # the settings against the checkpoint's blocks, before its arrays are read
+        check_sampling(run_block_size(meta, cfg), run_block_size(meta, cfg) if denoise_steps is None else denoise_steps,
+                       temperature, top_p)
+
+    model, meta = restore_model(checkpoint_dir, layout=layout, step=step, check_meta=check)
+    block_size = run_block_size(meta, model.cfg)
     if max_length is None:
         max_length = meta["data"]["seq_len"]
     sampler = Sampler(model, block_size=block_size, layout=layout, vocab=BYTE_VOCAB)
