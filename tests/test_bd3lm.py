@@ -325,3 +325,15 @@ def test_main_job_refuses_what_the_model_cannot_take():
         run_model_config(RunConfig(model="bd3lm-tiny", seq_len=64, packing=True))
     with pytest.raises(JaxparError, match="context axis is not supported by model bd3lm-tiny"):
         check_model_axes(parse_strategy("context=2,data=4", 8), "bd3lm-tiny")
+
+
+@pytest.mark.tpu_aot
+def test_compiles_for_a_tpu_pod_with_splash_under_the_three_part_mask():
+    pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
+    from jaxpar import aot
+    from jaxpar.topology import load_topology
+
+    report = aot.compile_report("bd3lm-tiny", load_topology("v5p-8"), "fsdp=4", 16, 128, block_size=16, alternatives=0)
+    assert report["compiler"] == "tpu" and report["attention"] == "splash"  # the block mask as splash's NumpyMask
+    # the model reads [x_t ; x_0]: twice the sequence's FLOPs
+    assert report["model_flops_per_step"] == CFG.flops_per_token(256) * 16 * 256
