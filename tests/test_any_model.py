@@ -222,3 +222,15 @@ def test_a_non_finite_step_raises_naming_it_and_keeps_the_state():
     with pytest.raises(NonFiniteStep, match="non-finite (loss|gradient) at step 1 ") as caught:
         trainer.step(state, trainer.put_batch(np.ones((8, 17), np.int32)))
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, caught.value.state.params), before)
+
+
+def test_regather_auto_keeps_the_gathered_weights_on_the_gspmd_path():
+    # memory so small that regather=auto would gather again; the GSPMD path cannot, and says so
+    layout = build_layout(parse_strategy("fsdp=8", 8), aliases=ALIASES)
+    tight = dataclasses.replace(CFG, memory_bytes=2**18)
+    trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, stacked=True, out_sharding=False), user_loss, tight, optimizer=OPTIMIZER)
+    assert trainer.regather, trainer.regather_reason
+    batch = trainer.abstract_batch(8, 16)
+    trainer.jit_step(batch).lower(trainer.abstract_state(), batch)  # the first trace chooses the path
+    assert trainer.path == "gspmd" and not trainer.regather
+    assert "the GSPMD path cannot gather again, so they are kept" in trainer.regather_reason
