@@ -22,7 +22,7 @@ from jaxpar.models import llama, model_and_loss, model_family
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.topology import Topology
 from jaxpar.train.loop import (
-    RunConfig, check_at_least, check_fits_fully_sharded, check_model_axes, check_writable, run_model_config, write_text_atomically,
+    RunConfig, check_at_least, check_block_degree, check_fits_fully_sharded, check_model_axes, check_writable, run_model_config, write_text_atomically,
 )
 from jaxpar.train.step import TrainConfig, Trainer
 
@@ -94,6 +94,8 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     check_fits_fully_sharded(model_cfg.num_params(), topology, name)
     strategy = parse_strategy(strategy_text, topology.num_chips)  # before the (slow) TPU compiler is loaded
     check_model_axes(strategy, name)
+    if strategy.degrees["block"] > 1:
+        check_block_degree(strategy, model_cfg, seq_len)
     if dump_hlo is not None:
         check_writable(str(dump_hlo), "--dump-hlo", directory=True)
     target = target_for(topology)

@@ -12,6 +12,9 @@ The mask is a ``Mask``: any of causal, a sliding window (a query at position i s
 segment ids (``Segments``: packed documents, a query sees only keys of its own segment), all
 and-ed; ``Mask()`` is bidirectional. Positions are global: ``q_offset`` / ``kv_offset`` say where a
 chunk starts in the whole sequence, so a ring can evaluate the same mask on the chunks it holds.
+A device that holds a sequence's tokens in another order gives each token's place (``Indices``,
+``mask.at``): block parallelism holds its own noisy blocks of a block diffusion input, then the
+clean half; the mask is evaluated at those places (data, like segment ids: no block is skipped).
 
 Implementations (``implementation=``):
 
@@ -134,6 +137,16 @@ class Segments:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Indices:
+    """Where the query and key tokens sit in the sequence the mask is defined over, int arrays
+    (q_len,) and (kv_len,); a chunk's offset is added to them."""
+
+    q: jax.Array
+    kv: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Mask:
     """What may attend to what; every part given is and-ed. ``Mask()`` is bidirectional."""
 
@@ -141,10 +154,15 @@ class Mask:
     window: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))  # (left, right)
     blocks: BlockMask | None = dataclasses.field(default=None, metadata=dict(static=True))
     segments: Segments | None = None
+    indices: Indices | None = None
 
     def with_segments(self, q_ids, kv_ids=None) -> "Mask":
         """The same mask restricted to packed documents (kv ids default to the query ids)."""
         return dataclasses.replace(self, segments=Segments(jnp.asarray(q_ids), jnp.asarray(q_ids if kv_ids is None else kv_ids)))
+
+    def at(self, q_indices, kv_indices=None) -> "Mask":
+        """The same mask evaluated at these places of the tokens (kv default: the query's)."""
+        return dataclasses.replace(self, indices=Indices(jnp.asarray(q_indices), jnp.asarray(q_indices if kv_indices is None else kv_indices)))
 
     def kinds(self) -> list[str]:
         return [name for name, on in (("causal", self.causal), ("window", self.window is not None), ("block mask", self.blocks is not None), ("segments", self.segments is not None)) if on] or ["bidirectional"]
@@ -160,8 +178,7 @@ class Mask:
 
     def dense(self, q_len: int, kv_len: int, q_offset=0, kv_offset=0) -> jax.Array:
         """The boolean mask (batch or 1, q_len, kv_len) of a q chunk against a kv chunk."""
-        qpos = jnp.asarray(q_offset, jnp.int32) + jnp.arange(q_len, dtype=jnp.int32)
-        kpos = jnp.asarray(kv_offset, jnp.int32) + jnp.arange(kv_len, dtype=jnp.int32)
+        qpos, kpos = _places(self, q_len, kv_len, q_offset, kv_offset)
         table = _block_table(self, q_len, kv_len, q_offset, kv_offset)
         seg = (self.segments.q, self.segments.kv) if self.segments is not None else (None, None)
         return _allowed(self, table, qpos, kpos, *seg)
@@ -173,6 +190,15 @@ BIDIRECTIONAL = Mask()
 
 def _is_static(*offsets) -> bool:
     return all(isinstance(o, (int, np.integer)) for o in offsets)
+
+
+def _places(mask: Mask, q_len: int, kv_len: int, q_offset, kv_offset):
+    """(q_len,), (kv_len,) int32: where a q chunk's and a kv chunk's tokens sit in the sequence."""
+    if mask.indices is None:
+        q, kv = jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
+    else:
+        q, kv = mask.indices.q.astype(jnp.int32), mask.indices.kv.astype(jnp.int32)
+    return jnp.asarray(q_offset, jnp.int32) + q, jnp.asarray(kv_offset, jnp.int32) + kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,14 +215,14 @@ def _block_table(mask: Mask, q_len, kv_len, q_offset, kv_offset) -> _Table | Non
     bm = mask.blocks
     if bm is None:
         return None
-    if _is_static(q_offset, kv_offset):
+    if _is_static(q_offset, kv_offset) and mask.indices is None:
         qr = range(q_offset // bm.block_size, (q_offset + q_len - 1) // bm.block_size + 1)
         kr = range(kv_offset // bm.block_size, (kv_offset + kv_len - 1) // bm.block_size + 1)
         return _Table(bm.table(qr, kr), qr.start, kr.start, bm.block_size)
     if bm.num_blocks is None:
         raise JaxparError(
-            "a block mask evaluated at traced offsets needs the whole sequence's block counts: "
-            "pass BlockMask(..., num_blocks=(query blocks, key blocks)), or Python int offsets"
+            "a block mask evaluated at traced offsets or at given token places (Mask.at) needs the whole sequence's "
+            "block counts: pass BlockMask(..., num_blocks=(query blocks, key blocks))"
         )
     return _Table(bm.table(range(bm.num_blocks[0]), range(bm.num_blocks[1])), 0, 0, bm.block_size)
 
@@ -222,9 +248,10 @@ def block_plan(mask: Mask, q_len: int, kv_len: int, block_q: int, block_kv: int,
     """(q blocks, kv blocks) bool: the block pairs that may hold an allowed entry, decided at trace
     time from causal, the window and the block mask (segments are data, so never decided here).
     Conservative: a pair marked True may still turn out empty, one marked False is empty. With
-    traced offsets nothing can be decided and every pair is computed."""
+    traced offsets or token places given (``Mask.at``) nothing can be decided and every pair is
+    computed."""
     nq, nk = q_len // block_q, kv_len // block_kv
-    if not _is_static(q_offset, kv_offset):
+    if not _is_static(q_offset, kv_offset) or mask.indices is not None:
         return np.ones((nq, nk), bool)
     qs = q_offset + block_q * np.arange(nq)
     ks = kv_offset + block_kv * np.arange(nk)
@@ -272,6 +299,10 @@ def _check(q, k, v, mask: Mask):
         got = (tuple(mask.segments.q.shape), tuple(mask.segments.kv.shape))
         if got != want:
             raise JaxparError(f"segment ids of shapes {got[0]} (q) and {got[1]} (kv); expected {want[0]} and {want[1]} (batch, length)")
+    if mask.indices is not None:
+        got = (tuple(mask.indices.q.shape), tuple(mask.indices.kv.shape))
+        if got != ((q.shape[1],), (k.shape[1],)):
+            raise JaxparError(f"token places (Mask.at) of shapes {got[0]} (q) and {got[1]} (kv); expected {(q.shape[1],)} and {(k.shape[1],)}: one per position")
 
 
 def _block_size(name: str, requested: int, length: int) -> int:
@@ -288,11 +319,14 @@ def choose_implementation(implementation: str, mask: Mask, dtype=jnp.float32, ba
         raise JaxparError(f"unknown attention implementation {implementation!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
     backend = backend or jax.default_backend()
     if implementation == "auto":
-        if backend == "tpu" and all(n % 128 == 0 for n in lengths):
+        if backend == "tpu" and all(n % 128 == 0 for n in lengths) and mask.indices is None:
             return "splash"
         if backend == "gpu" and _cudnn_refusal(mask, dtype) is None:
             return "cudnn"
         return "blockwise"
+    if implementation == "splash" and mask.indices is not None:
+        raise JaxparError("implementation='splash' cannot evaluate a mask at given token places (Mask.at: a sequence held "
+                          "out of order, as block parallelism holds it): its mask is fixed when it is compiled; use 'blockwise'")
     if implementation == "cudnn":
         reason = _cudnn_refusal(mask, dtype)
         if reason:
@@ -305,6 +339,8 @@ def choose_implementation(implementation: str, mask: Mask, dtype=jnp.float32, ba
 def _cudnn_refusal(mask: Mask, dtype) -> str | None:
     if mask.segments is not None:
         return "segments (segment ids of packed documents)"
+    if mask.indices is not None:
+        return "a mask at given token places (Mask.at)"
     if mask.blocks is not None:
         return "a block mask"
     if mask.window is not None and not mask.causal and mask.window[1] != 0:
@@ -328,6 +364,7 @@ def attention(q, k, v, mask: Mask | None = None, *, implementation: str | None =
     q, k, v and the segment ids are this device's positions of the sequence and the attention runs
     across devices (``collectives/context_attention.py``)."""
     _called("attention")
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mask = BIDIRECTIONAL if mask is None else mask
     implementation = _IMPLEMENTATION.get() if implementation is None else implementation
     _check(q, k, v, mask)
@@ -363,32 +400,37 @@ def attention_chunk(q, k, v, mask: Mask | None = None, *, q_offset=0, kv_offset=
     _check(q, k, v, mask)
     if implementation not in ("naive", "blockwise"):
         raise JaxparError(f"attention_chunk implementation={implementation!r}: choose 'naive' or 'blockwise'")
-    seg = (mask.segments.q, mask.segments.kv) if mask.segments is not None else (None, None)
-    static = dataclasses.replace(mask, segments=None)
     if implementation == "naive":
-        return _naive(static, q, k, v, *seg, q_offset, kv_offset)
-    run, _ = _blockwise_for(q, k, static, q_offset, kv_offset, block_q, block_kv)
-    return run(q, k, v, seg[0], seg[1], jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
+        return _naive(mask, q, k, v, q_offset, kv_offset)
+    data, _ = _data_parts(mask)
+    run, _ = _blockwise_for(q, k, mask, q_offset, kv_offset, block_q, block_kv)
+    return run(q, k, v, *data, jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
 
 
 def chunk_grads(q, k, v, mask: Mask, out, lse, dout, *, q_offset=0, kv_offset=0, block_q: int = DEFAULT_BLOCK, block_kv: int = DEFAULT_BLOCK):
     """(dq, dk, dv) of one kv chunk's part in an attention whose merged result over all chunks is
     ``out`` (float32) with log-sum-exp ``lse``, for the output cotangent ``dout``: the blockwise
     backward with the whole result's statistics (a ring's backward pass, chunk by chunk)."""
-    seg = (mask.segments.q, mask.segments.kv) if mask.segments is not None else (None, None)
-    static = dataclasses.replace(mask, segments=None)
-    _, backward = _blockwise_for(q, k, static, q_offset, kv_offset, block_q, block_kv)
+    data, _ = _data_parts(mask)
+    _, backward = _blockwise_for(q, k, mask, q_offset, kv_offset, block_q, block_kv)
     offsets = (jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32))
-    dq, dk, dv, *_ = backward((q, k, v, *seg, *offsets, out, lse), (dout, jnp.zeros_like(lse)))
+    dq, dk, dv, *_ = backward((q, k, v, *data, *offsets, out, lse), (dout, jnp.zeros_like(lse)))
     return dq, dk, dv
 
 
-def _blockwise_for(q, k, static: Mask, q_offset, kv_offset, block_q: int, block_kv: int):
+def _data_parts(mask: Mask):
+    """((segment ids q, kv, token places q, kv), each None where not given), the mask without them."""
+    seg = (mask.segments.q, mask.segments.kv) if mask.segments is not None else (None, None)
+    places = (mask.indices.q, mask.indices.kv) if mask.indices is not None else (None, None)
+    return (*seg, *places), dataclasses.replace(mask, segments=None, indices=None)
+
+
+def _blockwise_for(q, k, mask: Mask, q_offset, kv_offset, block_q: int, block_kv: int):
     bq = _block_size("block_q", block_q, q.shape[1])
     bk = _block_size("block_kv", block_kv, k.shape[1])
-    table = _block_table(static, q.shape[1], k.shape[1], q_offset, kv_offset)
-    plan = block_plan(static, q.shape[1], k.shape[1], bq, bk, q_offset, kv_offset)
-    return _blockwise_fn(static, table, bq, bk, plan)
+    table = _block_table(mask, q.shape[1], k.shape[1], q_offset, kv_offset)
+    plan = block_plan(mask, q.shape[1], k.shape[1], bq, bk, q_offset, kv_offset)
+    return _blockwise_fn(_data_parts(mask)[1], table, bq, bk, plan)
 
 
 def merge(a, b):
@@ -427,10 +469,10 @@ def _finish(m, l, acc):
     return acc / safe[..., None], jnp.where(seen, m + jnp.log(safe), -jnp.inf)
 
 
-def _naive(mask, q, k, v, seg_q, seg_kv, q_offset, kv_offset):
+def _naive(mask, q, k, v, q_offset, kv_offset):
     b, nq, h, d = q.shape
     kh = k.shape[2]
-    ok = _allowed(mask, _block_table(mask, nq, k.shape[1], q_offset, kv_offset), jnp.asarray(q_offset, jnp.int32) + jnp.arange(nq), jnp.asarray(kv_offset, jnp.int32) + jnp.arange(k.shape[1]), seg_q, seg_kv)
+    ok = mask.dense(nq, k.shape[1], q_offset, kv_offset)
     s = jnp.einsum("bqkgd,bskd->bkgqs", _grouped(q, kh), k, preferred_element_type=jnp.float32) / math.sqrt(d)
     s = jnp.where(ok[:, None, None], s, -jnp.inf)
     m = jax.lax.stop_gradient(s.max(-1))
@@ -473,12 +515,16 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
     kv_lists = _lists(plan)  # forward: for each q block, its kv blocks
     q_lists = _lists(plan.T)  # backward: for each kv block, its q blocks
 
-    def scores(qi, kj, i, j, seg_q, seg_kv, q_off, kv_off):
-        """(b, kv_heads, group, bq, bk) float32 scores of q block i against kv block j, masked."""
+    def scores(qi, kj, i, j, data, q_off, kv_off):
+        """(b, kv_heads, group, bq, bk) float32 scores of q block i against kv block j, masked;
+        ``data``: the segment ids and token places (``_data_parts``) of the whole chunks."""
+        seg_q, seg_kv, at_q, at_kv = data
         s = jnp.einsum("bqkgd,bskd->bkgqs", qi, kj, preferred_element_type=jnp.float32) / math.sqrt(qi.shape[-1])
         sq = None if seg_q is None else jax.lax.dynamic_slice_in_dim(seg_q, i * bq, bq, 1)
         sk = None if seg_kv is None else jax.lax.dynamic_slice_in_dim(seg_kv, j * bk, bk, 1)
-        ok = _allowed(mask, table, q_off + i * bq + jnp.arange(bq), kv_off + j * bk + jnp.arange(bk), sq, sk)
+        qpos = i * bq + jnp.arange(bq) if at_q is None else jax.lax.dynamic_slice_in_dim(at_q, i * bq, bq)
+        kpos = j * bk + jnp.arange(bk) if at_kv is None else jax.lax.dynamic_slice_in_dim(at_kv, j * bk, bk)
+        ok = _allowed(mask, table, q_off + qpos, kv_off + kpos, sq, sk)
         return jnp.where(ok[:, None, None], s, -jnp.inf), ok[:, None, None]
 
     def blocks(q, k, v):
@@ -486,7 +532,8 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
         kh = k.shape[2]
         return (_grouped(q, kh).reshape(b, nq // bq, bq, kh, h // kh, d), k.reshape(b, -1, bk, kh, d), v.reshape(b, -1, bk, kh, d))
 
-    def forward(q, k, v, seg_q, seg_kv, q_off, kv_off):
+    def forward(q, k, v, seg_q, seg_kv, at_q, at_kv, q_off, kv_off):
+        data = (seg_q, seg_kv, at_q, at_kv)
         b, nq, h, d = q.shape
         qb, kb, vb = blocks(q, k, v)
         kh, g = qb.shape[3], qb.shape[4]
@@ -496,7 +543,7 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
 
             def step(j, carry):
                 m, l, acc = carry
-                s, _ = scores(qi, kb[:, j], i, j, seg_q, seg_kv, q_off, kv_off)
+                s, _ = scores(qi, kb[:, j], i, j, data, q_off, kv_off)
                 m_new = jnp.maximum(m, s.max(-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all masked so far: exp(-inf) = 0
                 p = jnp.exp(s - m_safe[..., None])
@@ -504,7 +551,7 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
                 pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vb[:, j], preferred_element_type=jnp.float32)
                 return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
-            ins = (q, k, v, seg_q, seg_kv, q_off, kv_off)
+            ins = (q, k, v, *data, q_off, kv_off)
             init = (full_varying((b, kh, g, bq), -jnp.inf, *ins), full_varying((b, kh, g, bq), 0.0, *ins), full_varying((b, kh, g, bq, d), 0.0, *ins))
             m, l, acc = _visit(kv_lists, i, step, init)  # only the kv blocks the plan keeps
             return _finish(jnp.where(jnp.isfinite(m), m, 0.0), l, acc)
@@ -516,15 +563,16 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
         return outs.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq, h, d), lses.transpose(1, 0, 4, 2, 3).reshape(b, nq, h)
 
     @jax.custom_vjp
-    def run(q, k, v, seg_q, seg_kv, q_off, kv_off):
-        return forward(q, k, v, seg_q, seg_kv, q_off, kv_off)
+    def run(q, k, v, seg_q, seg_kv, at_q, at_kv, q_off, kv_off):
+        return forward(q, k, v, seg_q, seg_kv, at_q, at_kv, q_off, kv_off)
 
-    def run_fwd(q, k, v, seg_q, seg_kv, q_off, kv_off):
-        out, lse = forward(q, k, v, seg_q, seg_kv, q_off, kv_off)
-        return (out, lse), (q, k, v, seg_q, seg_kv, q_off, kv_off, out, lse)
+    def run_fwd(q, k, v, seg_q, seg_kv, at_q, at_kv, q_off, kv_off):
+        out, lse = forward(q, k, v, seg_q, seg_kv, at_q, at_kv, q_off, kv_off)
+        return (out, lse), (q, k, v, seg_q, seg_kv, at_q, at_kv, q_off, kv_off, out, lse)
 
     def run_bwd(res, cts):
-        q, k, v, seg_q, seg_kv, q_off, kv_off, out, lse = res
+        q, k, v, seg_q, seg_kv, at_q, at_kv, q_off, kv_off, out, lse = res
+        data = (seg_q, seg_kv, at_q, at_kv)
         dout, dlse = cts
         b, nq, h, d = q.shape
         qb, kb, vb = blocks(q, k, v)
@@ -544,7 +592,7 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
             def step(i, carry):
                 dk, dv, dq = carry
                 qi, doi = qb[:, i], dob[:, i]
-                s, ok = scores(qi, kj, i, j, seg_q, seg_kv, q_off, kv_off)
+                s, ok = scores(qi, kj, i, j, data, q_off, kv_off)
                 p = jnp.where(ok, jnp.exp(s - lse_b[:, i][..., None]), 0.0)  # recomputed from the saved lse
                 dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p, doi)
                 dp = jnp.einsum("bqkgd,bskd->bkgqs", doi, vj.astype(jnp.float32))
@@ -553,18 +601,18 @@ def _blockwise_fn(mask: Mask, table, bq: int, bk: int, plan: np.ndarray):
                 dq = dq.at[:, i].add(jnp.einsum("bkgqs,bskd->bqkgd", ds, kj.astype(jnp.float32)))
                 return dk, dv, dq
 
-            zero = full_varying((b, bk, kh, d), 0.0, q, k, v, dout, seg_q, seg_kv, q_off, kv_off)
+            zero = full_varying((b, bk, kh, d), 0.0, q, k, v, dout, *data, q_off, kv_off)
             dk, dv, dq = _visit(q_lists, j, step, (zero, zero, dq))
             return dq, (dk, dv)
 
-        dq0 = full_varying(qb.shape, 0.0, q, k, v, dout, seg_q, seg_kv, q_off, kv_off)
+        dq0 = full_varying(qb.shape, 0.0, q, k, v, dout, *data, q_off, kv_off)
         if k.shape[1] == bk:  # one key block: no loop
             dq, (dk, dv) = kv_block(dq0, 0)
             dk, dv = dk[None], dv[None]
         else:
             dq, (dk, dv) = jax.lax.scan(kv_block, dq0, jnp.arange(k.shape[1] // bk))
         unblock = lambda x: x.transpose(1, 0, 2, 3, 4).reshape(k.shape)
-        return (dq.reshape(q.shape).astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), None, None, None, None)
+        return (dq.reshape(q.shape).astype(q.dtype), unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), None, None, None, None, None, None)
 
     run.defvjp(run_fwd, run_bwd)
     return run, run_bwd

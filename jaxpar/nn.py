@@ -7,7 +7,8 @@ path instead (``train/gspmd.py``), where XLA places the collectives.
   (all-gathered along the sequence under SP; Megatron's f);
 - ``reduce_partial(x, contracted, dst)``: finish a sum over a sharded logical axis (a row-parallel
   matmul; Megatron's g: all-reduce, or reduce-scatter under SP);
-- ``shard_offset``, ``sum_over``: this device's index into a sharded dim, and sums across it;
+- ``shard_offset``, ``shard_count``, ``sum_over``: this device's index into a sharded dim, the
+  devices it is split over, and sums across it;
 - ``embed_lookup``, ``cross_entropy``: vocab-parallel embedding and next-token loss.
 
 Per-layer gathers and remat need no call: the step does them (``rules.gather_layers_when_read``,
@@ -16,6 +17,7 @@ Per-layer gathers and remat need no call: the step does them (``rules.gather_lay
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -142,6 +144,12 @@ def shard_offset(names: Names, dim: int, local_size: int):
     for axis in layout.axes_of(names[dim]):
         index = index * layout.mesh.shape[axis] + jax.lax.axis_index(axis)
     return index * local_size
+
+
+def shard_count(names: Names, dim: int) -> int:
+    """Devices logical dim ``names[dim]`` is split over (1 on one device)."""
+    layout = _manual_layout("shard_count")
+    return 1 if layout is None else math.prod(layout.mesh.shape[a] for a in layout.axes_of(names[dim]))
 
 
 def sum_over(x, names: Names, dims: Sequence[int], op: str = "sum"):

@@ -73,6 +73,8 @@ class Layout:
     # sequence to heads over (all-to-all); the sequence (``length``) is split over both, ring major
     context_ring: tuple[str, ...] = ()
     context_a2a: tuple[str, ...] = ()
+    # block parallelism: the mesh axes a block diffusion model's noisy blocks are split over
+    diffusion_blocks: tuple[str, ...] = ()
 
     def effective_names(self, names: Names, shape) -> tuple:
         """``names`` with each replicable logical axis that its dim is too short to split replaced
@@ -101,6 +103,10 @@ class Layout:
     @property
     def a2a_axes(self) -> tuple[str, ...]:
         return self._live(self.context_a2a)
+
+    @property
+    def block_axes(self) -> tuple[str, ...]:
+        return self._live(self.diffusion_blocks)
 
     @property
     def loss_axes(self) -> tuple[str, ...]:

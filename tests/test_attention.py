@@ -239,7 +239,7 @@ def test_bad_input_is_refused_in_words():
     with pytest.raises(JaxparError, match=r"multiples of 128; got q_len 32"):
         A.attention(q, k, v, A.CAUSAL, implementation="splash")
     no_count = A.Mask(blocks=A.BlockMask(lambda a, b: a >= b, 4))
-    with pytest.raises(JaxparError, match=r"traced offsets needs .*num_blocks="):
+    with pytest.raises(JaxparError, match=r"traced offsets or at given token places \(Mask.at\) needs .*num_blocks="):
         jax.jit(lambda off: A.attention_chunk(q, k, v, no_count, kv_offset=off)[0])(0)
 
 

@@ -237,17 +237,6 @@ def test_a_layout_gives_one_devices_loss_and_gradients():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), jax.device_get(grads), jax.device_get(ref_grads))
 
 
-def test_context_parallelism_is_refused_rather_than_mismasked():
-    """Each device would hold part of every row, and the mask needs the whole row's length."""
-    layout = build_layout(parse_strategy("data=4,context=2", 8))
-    trainer = Trainer(layout, lambda rngs: bd3lm.BD3LM(SMALL, rngs=rngs), bd3lm.loss_fn, TrainConfig(clip_norm=0.0))
-    params = jax.tree.map(lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
-                          nnx.to_pure_dict(nnx.state(small_model())), trainer.state_shardings.params)
-    batch = trainer.put_batch(bd3lm.corrupt(clean_tokens(4, 32), 16, 0, mask_id=MASK))
-    with pytest.raises(JaxparError, match=r"cannot run with the sequence split over devices \(context parallelism\)"):
-        jax.jit(trainer.grad_fn()).lower(params, batch)
-
-
 # --- configs and bad input -------------------------------------------------------------------------
 
 
@@ -315,7 +304,7 @@ def test_a_diffusion_row_is_the_same_whichever_process_reads_it():
 
 
 def test_main_job_refuses_what_the_model_cannot_take():
-    from jaxpar.train.loop import RunConfig, check_model_axes, run_model_config
+    from jaxpar.train.loop import RunConfig, run_model_config
 
     with pytest.raises(JaxparError, match="--block-size 16 is for block diffusion models"):
         run_model_config(RunConfig(model="tiny", block_size=16))
@@ -323,8 +312,6 @@ def test_main_job_refuses_what_the_model_cannot_take():
         run_model_config(RunConfig(model="bd3lm-tiny", seq_len=40, block_size=16))
     with pytest.raises(JaxparError, match="drop --packing"):
         run_model_config(RunConfig(model="bd3lm-tiny", seq_len=64, packing=True))
-    with pytest.raises(JaxparError, match="context axis is not supported by model bd3lm-tiny"):
-        check_model_axes(parse_strategy("context=2,data=4", 8), "bd3lm-tiny")
 
 
 @pytest.mark.tpu_aot

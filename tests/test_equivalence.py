@@ -75,7 +75,7 @@ def oracle(model_fn, loss_fn, host_batches, cfg=CFG):
 
         losses, first_grads = [], None
         for batch in host_batches:
-            params, opt_state, loss, grads = step(params, opt_state, jnp.asarray(batch))
+            params, opt_state, loss, grads = step(params, opt_state, jax.tree.map(jnp.asarray, batch))
             losses.append(float(loss))
             first_grads = first_grads or grads
     return losses, jax.device_get(first_grads), jax.device_get(params)

@@ -40,10 +40,10 @@ class TrafficContext:
     batch_shards: int
     batch: int
     length: int  # of the whole sequence
+    held_length: int  # positions of a row one device holds (context splits them, block parallelism re-cuts them)
     model: object  # the LlamaConfig, for the activation traffic (None: weights only)
     schedule: object  # the pipeline schedule, or None
     remat: str = "none"  # what the backward pass recomputes (a recomputed forward sends its traffic again)
-    sequence_shards: int = 1  # ways the sequence is split (context parallelism)
 
 
 def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
@@ -60,8 +60,17 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
         stored_shards=ways("param"), grad_shards=ways("optimizer"), compute_bytes=cb, reduce_bytes=rb, stored_bytes=4,
         microbatches=cfg.microbatches, batch_shards=layout.batch_shards, batch=batch_shape[0], length=batch_shape[1],
         model=model_cfg, schedule=trainer.schedule, remat=cfg.remat,
-        sequence_shards=math.prod(layout.mesh.shape[a] for a in layout.axes_of("length") if a not in layout.batch_axes),
+        held_length=held_length(layout, batch_shape[1]),
     )
+
+
+def held_length(layout, length: int) -> int:
+    """Positions of a ``length``-token row one device holds: 1/C of them under context parallelism;
+    under block parallelism over P devices its noisy blocks and the whole clean half of [x_t ; x_0]
+    (length / 2P + length / 2)."""
+    ranks = math.prod(layout.mesh.shape[a] for a in layout.block_axes)
+    split = math.prod(layout.mesh.shape[a] for a in layout.axes_of("length") if a not in layout.batch_axes) // ranks
+    return (length // 2 // ranks + length // 2 if ranks > 1 else length) // split
 
 
 def optimal_traffic_by_axis(trainer, strategy, batch_shape, model_cfg=None) -> dict[tuple[str, str], float]:

@@ -45,10 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.attention import BlockMask, Mask
+from jaxpar.collectives import block_parallel
 from jaxpar.errors import JaxparError
 from jaxpar.models import llama
 from jaxpar.models.llama import LOGITS, LlamaConfig
-from jaxpar.nn import cross_entropy, shard_offset
+from jaxpar.nn import cross_entropy, shard_count, shard_offset
 
 # The noise range. The lower end bounds the loss weight 1/t (at most 10) and with it the loss's
 # variance: if every masked token cost the same c, a block of B tokens at t ~ U[a, b] would have
@@ -217,21 +218,27 @@ class BD3LM(llama.Llama):
     """The Llama network (the same weights and logical names) run on [x_t ; x_0] under the
     three-part mask; logits over ``vocab_size`` ids, of which only the data's can be predicted."""
 
-    def __call__(self, tokens, positions=None, block_size: int | None = None):
+    def __call__(self, tokens, positions=None, block_size: int | None = None, share: block_parallel.Share | None = None):
         """Logits (batch, 2L, vocab) for int tokens (batch, 2L) = [x_t ; x_0]; ``positions``
-        default ``positions_for(L)``; ``block_size`` default the config's."""
+        default ``positions_for(L)``; ``block_size`` default the config's. Under block parallelism
+        ``share`` says which tokens of [x_t ; x_0] this device holds (``block_parallel.share``):
+        ``tokens`` and ``positions`` are those, and so are the logits."""
         block_size = self.cfg.block_size if block_size is None else block_size
-        if tokens.shape[1] % 2:
-            raise JaxparError(f"a BD3-LM reads [x_t ; x_0], an even number of tokens per row; got {tokens.shape[1]}")
-        length = tokens.shape[1] // 2
-        # Under context parallelism a device holds some positions of each row, and the mask needs the
-        # whole row's block count, which the model cannot see from here: refuse rather than mis-mask.
-        if not isinstance(shard_offset(("batch", "length", "embed"), 1, tokens.shape[1]), int):
-            raise JaxparError("a BD3-LM cannot run with the sequence split over devices (context parallelism) yet: "
-                              "its mask needs the whole sequence's length; drop context= from the strategy")
-        mask = block_diffusion_mask(length, block_size)
-        if positions is None:
-            positions = jnp.asarray(positions_for(length, tokens.shape[0]))
+        if share is not None:
+            mask = block_diffusion_mask(share.length, block_size).at(share.places)
+        else:
+            # under context parallelism a device holds 1/C of each row's positions (the ring evaluates
+            # the mask at their places in the whole row)
+            width = tokens.shape[1] * shard_count(llama.BLOCK, 1)
+            if width % 2:
+                raise JaxparError(f"a BD3-LM reads [x_t ; x_0], an even number of tokens per row; got {width}")
+            mask = block_diffusion_mask(width // 2, block_size)
+        if positions is None and share is not None:
+            positions = jnp.broadcast_to(share.places % share.length, tokens.shape)  # noisy i and clean i share i
+        elif positions is None:
+            if tokens.shape[1] != width:
+                raise JaxparError("a BD3-LM under context parallelism needs the batch's positions (the step cuts them)")
+            positions = jnp.asarray(positions_for(width // 2, tokens.shape[0]))
         return _data_only(self.network(tokens, positions, mask), self.cfg.data_vocab)
 
 
@@ -248,6 +255,10 @@ def loss_fn(model: BD3LM, batch: dict, block_size: int | None = None):
     """The BD3-LM objective on a batch from ``corrupt`` / ``mask_tokens`` (keys ``inputs``,
     ``targets``, ``positions``, ``weights``, each (batch, 2L)): the 1/t-weighted cross-entropy of
     the masked noisy tokens, mean over the batch's noisy positions. ``block_size`` must be the
-    batch's (default: the model config's)."""
-    logits = model(batch["inputs"], batch["positions"], block_size)
-    return cross_entropy(logits, batch["targets"], LOGITS, batch["weights"])
+    batch's (default: the model config's). Under block parallelism each device computes the
+    objective's part on its share of the rows (``collectives/block_parallel.py``)."""
+    block_size = model.cfg.block_size if block_size is None else block_size
+    batch, share = block_parallel.share(batch, block_size)
+    logits = model(batch["inputs"], batch["positions"], block_size, share)
+    loss = cross_entropy(logits, batch["targets"], LOGITS, batch["weights"])
+    return loss if share is None else loss * share.loss_scale

@@ -9,6 +9,7 @@ A strategy string names mesh-axis degrees and options, e.g.::
     "fsdp=8,regather=on"           FSDP that gathers weights again for the backward pass
     "fsdp=8,param_shards=4"        hierarchical ZeRO: weights split in groups of 4, the rest over 8
     "fsdp=4,context=2"             FSDP x context parallelism (ring attention over 2 devices)
+    "fsdp=2,block=4"               FSDP x block parallelism (a block diffusion model's noisy blocks over 4)
 
 Each strategy is one module of this package and holds everything it is:
 
@@ -35,10 +36,10 @@ import warnings
 
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import SpecError
-from jaxpar.parallel import context, data, expert, fsdp, hierarchical_zero, sequence, stage, tensor
+from jaxpar.parallel import block, context, data, expert, fsdp, hierarchical_zero, sequence, stage, tensor
 from jaxpar.rules import LOGICAL_AXES, Layout
 
-STRATEGIES = (stage, data, hierarchical_zero, fsdp, expert, context, tensor, sequence)
+STRATEGIES = (stage, data, hierarchical_zero, fsdp, expert, block, context, tensor, sequence)
 OPTIONS = {key: (module, *parse) for module in STRATEGIES for key, parse in module.OPTIONS.items()}
 ACTIVATION_AXES = ("batch", "length", "residual_length")  # logical axes no weight has
 
@@ -125,5 +126,5 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
     ring, a2a = context.attention_axes(strategy)
     return Layout(
         mesh, compute, stored["param"], stored["optimizer"], stored["grad"], regather=strategy.regather, dcn_axes=dcn_axes,
-        replicable=tensor.REPLICABLE, context_ring=ring, context_a2a=a2a,
+        replicable=tensor.REPLICABLE, context_ring=ring, context_a2a=a2a, diffusion_blocks=block.AXES,
     )

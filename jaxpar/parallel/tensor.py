@@ -46,7 +46,7 @@ def traffic(strategy, ctx) -> dict:
     add("all-reduce", ctx.microbatches * data.grad_allreduce_bytes(ctx.replicated_psi * ctx.reduce_bytes, t))
     if model is None:
         return {k: v for k, v in out.items() if v}
-    local_tokens = ctx.batch // ctx.batch_shards * ctx.length // ctx.sequence_shards
+    local_tokens = ctx.batch // ctx.batch_shards * ctx.held_length
     activation = local_tokens * model.embed * ctx.compute_bytes
     passes = activation_passes(model.layers)
     if strategy.options["sp"]:

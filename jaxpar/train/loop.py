@@ -22,6 +22,7 @@ import time
 import jax
 import numpy as np
 
+from jaxpar.collectives import block_parallel
 from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
 from jaxpar.mesh import ParallelSpec
@@ -123,6 +124,7 @@ def run_model_config(run: RunConfig):
 # but models/llama.py has no expert layers.
 LLAMA_UNSUPPORTED_AXES = {
     "expert": "it has no mixture-of-experts layers to split",
+    "block": "block parallelism splits a block diffusion model's noisy blocks (e.g. --model bd3lm-tiny)",
 }
 
 
@@ -132,7 +134,7 @@ def check_model_axes(strategy: Strategy, model: str):
     degrees = strategy.spec.degrees
     unsupported = dict(LLAMA_UNSUPPORTED_AXES)
     if model in CONFIGS and model_family(CONFIGS[model]) == "bd3lm":
-        unsupported["context"] = "its three-part mask needs each row's whole sequence"
+        del unsupported["block"]
     for axis, why in unsupported.items():
         if degrees[axis] > 1:
             instead = dataclasses.replace(strategy, spec=ParallelSpec(dict(degrees, **{axis: 1, "data": degrees["data"] * degrees[axis]})))
@@ -140,6 +142,12 @@ def check_model_axes(strategy: Strategy, model: str):
                 f"the {axis} axis is not supported by model {model} yet: {why}; drop {axis}={degrees[axis]} "
                 f"from the strategy, e.g. --strategy {instead}"
             )
+
+
+def check_block_degree(strategy: Strategy, cfg, seq_len: int):
+    """Refuse a block parallelism degree the run's diffusion blocks cannot be split by."""
+    if strategy.degrees["block"] > 1:
+        block_parallel.check_degree(seq_len // cfg.block_size, strategy.degrees["block"])
 
 
 def _check_unused_options(run: RunConfig, strategy: Strategy):
@@ -216,6 +224,7 @@ def build_trainer(run: RunConfig, topology: Topology):
     devices = devices_for(topology)
     strategy = parse_strategy(run.strategy, len(devices))
     check_model_axes(strategy, run.model)
+    check_block_degree(strategy, cfg, run.seq_len)
     _check_unused_options(run, strategy)
     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
     train_cfg = dataclasses.replace(run.train, total_steps=run.steps, memory_bytes=run.train.memory_bytes or topology.hbm_bytes)

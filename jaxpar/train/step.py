@@ -240,12 +240,19 @@ class Trainer:
         return self.path
 
     def _check_attention_called(self, calls):
-        """Under context parallelism, refuse a model that never called jaxpar's attention op."""
+        """Under context parallelism, refuse a model that never called jaxpar's attention op; under
+        block parallelism, one that never took its share of a block diffusion batch."""
         if (self.layout.ring_axes or self.layout.a2a_axes) and "attention" not in calls:
             raise LayoutError(
                 f"the layout splits the sequence over {'/'.join(self.layout.axes_of('length'))} (context parallelism), but "
                 f"the model never calls jaxpar.attention.attention: attention of its own would see only this device's "
                 f"positions. Call jaxpar.attention.attention(q, k, v, mask) in the model, or drop context=")
+        if self.layout.block_axes and "block_share" not in calls:
+            raise LayoutError(
+                f"the layout splits a block diffusion model's noisy blocks over {'/'.join(self.layout.block_axes)} (block "
+                f"parallelism), but the loss never takes this device's share of the batch "
+                f"(jaxpar.collectives.block_parallel.share, as jaxpar.models.bd3lm.loss_fn does): every device would "
+                f"compute the whole objective. Use a block diffusion model, or drop block=")
 
     def _check_gspmd(self):
         """Refuse what only the manual path does."""
@@ -254,6 +261,7 @@ class Trainer:
             "a pipeline (stage > 1)": self.pipeline is not None,
             "regather=on": self.layout.regather is True,
             "context parallelism (context > 1)": bool(self.layout.ring_axes or self.layout.a2a_axes),
+            "block parallelism (block > 1)": bool(self.layout.block_axes),
         }
         asked = [what for what, on in manual_only.items() if on]
         if asked:
