@@ -299,9 +299,11 @@ def tiny_llama():
 
 
 def llama_oracle(graphdef, params, tokens):
+    # the mean of the micro-batches' losses; a scan over them compiles one loss and its gradient,
+    # where a Python sum compiled m copies (measured here: 6.6 s of compile at m = 8, 4.9 s at m = 4)
     def loss(p):
         model = nnx.merge(graphdef, p)
-        return sum(llama.loss_fn(model, mb) for mb in tokens) / len(tokens)
+        return jnp.mean(jax.lax.map(lambda mb: llama.loss_fn(model, mb), tokens))
 
     with jax.default_device(jax.devices()[0]):
         return jax.jit(jax.value_and_grad(loss))(params)
