@@ -74,14 +74,15 @@ POD_DEFAULTS = TrainConfig(compute_dtype="bfloat16", remat="full")
 
 
 def compile_report(model, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, cfg: TrainConfig = POD_DEFAULTS,
-                   alternatives: int = 3, dump_hlo: str | os.PathLike | None = None, block_size: int | None = None) -> dict:
+                   alternatives: int = 3, dump_hlo: str | os.PathLike | None = None, block_size: int | None = None,
+                   window: int | None = None) -> dict:
     """Compile the training step for ``topology`` and report fit, traffic, cost and estimates.
 
     ``model``: a config name (``tiny``, ``llama2-7b``...) or a ``LlamaConfig``; ``cfg``: every
     option of the step as ``jaxpar train`` takes it (dtypes, remat, micro-batches, attention;
     ``attention="auto"`` is splash on a TPU pod). ``dump_hlo``: a directory to write the compiled
-    program's text into; ``block_size``: a block diffusion model's (``seq_len`` tokens per row,
-    which it reads twice: [x_t ; x_0])."""
+    program's text into; ``block_size``, ``window``: a block diffusion model's (``seq_len`` tokens
+    per row, which it reads twice: [x_t ; x_0])."""
 
     name = model if isinstance(model, str) else "the model"
     check_at_least("--batch-size", batch_size, 1)
@@ -89,7 +90,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     if isinstance(model, llama.LlamaConfig):
         model_cfg = model
     else:
-        model_cfg = run_model_config(RunConfig(model=model, seq_len=seq_len, block_size=block_size))
+        model_cfg = run_model_config(RunConfig(model=model, seq_len=seq_len, block_size=block_size, window=window))
     diffusion = model_family(model_cfg) == "bd3lm"
     check_fits_fully_sharded(model_cfg.num_params(), topology, name)
     strategy = parse_strategy(strategy_text, topology.num_chips)  # before the (slow) TPU compiler is loaded

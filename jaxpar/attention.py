@@ -137,12 +137,32 @@ class Segments:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Fetch:
+    """Keys fetched from the other ranks of a context axis in one all-to-all: ``send`` (ring
+    size, S) the indices of this device's keys it sends each rank, ``places`` (ring size x S,) the
+    places of the keys it receives, rank by rank (-1: a padding slot)."""
+
+    send: jax.Array
+    places: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Indices:
     """Where the query and key tokens sit in the sequence the mask is defined over, int arrays
-    (q_len,) and (kv_len,); a chunk's offset is added to them."""
+    (q_len,) and (kv_len,); a chunk's offset is added to them.
+
+    Under a context-parallel ring, ``kv_ring`` (ring size, m) gives the places of the m keys each
+    ring rank holds and sends round; ``kv`` then places only the keys before them, which stay on
+    this device (its keys are [those ; its m ring keys]). Block parallelism over a ring (CSBP)
+    keeps its noisy blocks' keys and sends the clean ones. ``kv_fetch`` instead fetches, in one
+    all-to-all over the context axis, the keys this device's queries may see (``Fetch``; ``kv``
+    places all its own keys): CSBP under a sliding window."""
 
     q: jax.Array
     kv: jax.Array
+    kv_ring: jax.Array | None = None
+    kv_fetch: Fetch | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -160,9 +180,11 @@ class Mask:
         """The same mask restricted to packed documents (kv ids default to the query ids)."""
         return dataclasses.replace(self, segments=Segments(jnp.asarray(q_ids), jnp.asarray(q_ids if kv_ids is None else kv_ids)))
 
-    def at(self, q_indices, kv_indices=None) -> "Mask":
-        """The same mask evaluated at these places of the tokens (kv default: the query's)."""
-        return dataclasses.replace(self, indices=Indices(jnp.asarray(q_indices), jnp.asarray(q_indices if kv_indices is None else kv_indices)))
+    def at(self, q_indices, kv_indices=None, kv_ring=None, kv_fetch: Fetch | None = None) -> "Mask":
+        """The same mask evaluated at these places of the tokens (kv default: the query's;
+        ``kv_ring``, ``kv_fetch``: see ``Indices``)."""
+        kv = jnp.asarray(q_indices if kv_indices is None else kv_indices)
+        return dataclasses.replace(self, indices=Indices(jnp.asarray(q_indices), kv, None if kv_ring is None else jnp.asarray(kv_ring), kv_fetch))
 
     def kinds(self) -> list[str]:
         return [name for name, on in (("causal", self.causal), ("window", self.window is not None), ("block mask", self.blocks is not None), ("segments", self.segments is not None)) if on] or ["bidirectional"]
@@ -192,11 +214,18 @@ def _is_static(*offsets) -> bool:
     return all(isinstance(o, (int, np.integer)) for o in offsets)
 
 
+def _refuse_ring_places(mask: Mask):
+    if mask.indices is not None and (mask.indices.kv_ring is not None or mask.indices.kv_fetch is not None):
+        raise JaxparError("Mask.at(kv_ring= or kv_fetch=) places keys that travel over a context axis; outside jaxpar's "
+                          "step under context= give every key's place in kv_indices")
+
+
 def _places(mask: Mask, q_len: int, kv_len: int, q_offset, kv_offset):
     """(q_len,), (kv_len,) int32: where a q chunk's and a kv chunk's tokens sit in the sequence."""
     if mask.indices is None:
         q, kv = jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
     else:
+        _refuse_ring_places(mask)
         q, kv = mask.indices.q.astype(jnp.int32), mask.indices.kv.astype(jnp.int32)
     return jnp.asarray(q_offset, jnp.int32) + q, jnp.asarray(kv_offset, jnp.int32) + kv
 
@@ -300,7 +329,8 @@ def _check(q, k, v, mask: Mask):
         if got != want:
             raise JaxparError(f"segment ids of shapes {got[0]} (q) and {got[1]} (kv); expected {want[0]} and {want[1]} (batch, length)")
     if mask.indices is not None:
-        got = (tuple(mask.indices.q.shape), tuple(mask.indices.kv.shape))
+        ring = mask.indices.kv_ring
+        got = (tuple(mask.indices.q.shape), (mask.indices.kv.shape[0] + (0 if ring is None else ring.shape[1]),))
         if got != ((q.shape[1],), (k.shape[1],)):
             raise JaxparError(f"token places (Mask.at) of shapes {got[0]} (q) and {got[1]} (kv); expected {(q.shape[1],)} and {(k.shape[1],)}: one per position")
 
@@ -420,6 +450,7 @@ def chunk_grads(q, k, v, mask: Mask, out, lse, dout, *, q_offset=0, kv_offset=0,
 
 def _data_parts(mask: Mask):
     """((segment ids q, kv, token places q, kv), each None where not given), the mask without them."""
+    _refuse_ring_places(mask)
     seg = (mask.segments.q, mask.segments.kv) if mask.segments is not None else (None, None)
     places = (mask.indices.q, mask.indices.kv) if mask.indices is not None else (None, None)
     return (*seg, *places), dataclasses.replace(mask, segments=None, indices=None)

@@ -49,6 +49,8 @@ def _train_parser(sub):
     p = sub.add_parser("train", help="train a Llama under a layout on the shipped corpus (default: tiny, cpu-8, fsdp=4,tensor=2)")
     p.add_argument("--model", default="tiny", help="tiny | llama-1b | llama2-7b | llama3-8b | llama2-70b | bd3lm-tiny | bd3lm-8b")
     p.add_argument("--block-size", type=int, help="block diffusion models (bd3lm-*): tokens per block, dividing --seq-len (default 16)")
+    p.add_argument("--window", type=int, help="block diffusion models: the clean tokens before a block that it attends to, whole blocks "
+                   "(a sliding window; default the whole prefix)")
     p.add_argument("--topology", default="cpu-8", help="a name from jaxpar/meshes/ or a path to a topology TOML file")
     p.add_argument("--strategy", default="fsdp=4,tensor=2", help='parallel spec and options, e.g. "data=2,fsdp=-1,tensor=2,zero=3,sp=off"')
     p.add_argument("--steps", type=int, default=300)
@@ -169,6 +171,7 @@ def _compile_parser(sub):
     p.add_argument("--batch-size", type=int, default=256, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (a block diffusion model reads twice as many: [x_t ; x_0])")
     p.add_argument("--block-size", type=int, help="block diffusion models (bd3lm-*): tokens per block, dividing --seq-len")
+    p.add_argument("--window", type=int, help="block diffusion models: a sliding window of clean tokens, whole blocks (as for train)")
     # every option of train's that changes the compiled program, with a pod's defaults (bf16, full remat)
     p.add_argument("--remat", default="full", choices=["none", "full", "dots"])
     p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"], help="bfloat16 keeps float32 master weights")
@@ -203,7 +206,7 @@ def _compile(args) -> int:
                       microbatches=args.microbatches, attention=args.attention, **pipeline_flags)
     strategy = args.strategy + (f",context_algorithm={args.context_algorithm}" if args.context_algorithm else "")
     report = compile_report(args.model, topology, strategy, args.batch_size, args.seq_len, cfg, dump_hlo=args.dump_hlo,
-                            block_size=args.block_size)
+                            block_size=args.block_size, window=args.window)
     print(format_report(report))
     if args.dump_hlo:
         print(f"\ncompiled program written to {args.dump_hlo}/step.hlo.txt")
@@ -342,7 +345,7 @@ def _train(args) -> int:
     run = RunConfig(
         model=args.model, strategy=strategy, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, seed=args.seed, explicit=frozenset(pipeline_flags), packing=args.packing == "on",
-        block_size=args.block_size,
+        block_size=args.block_size, window=args.window,
         train=TrainConfig(
             learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, remat=args.remat, microbatches=args.microbatches, **pipeline_flags,
             attention=args.attention,

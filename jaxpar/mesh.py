@@ -45,25 +45,28 @@ class ParallelSpec:
         return ",".join(named) or "data=1"
 
 
+def parse_degrees(spec: str) -> dict[str, int]:
+    """``"data=2,fsdp=-1"`` -> ``{"data": 2, "fsdp": -1}``, refusing entries that are not ``axis=int``."""
+    items: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep:
+            raise SpecError(f"spec entry {part!r} has no degree: write it as '{key}=N' (N, or -1 to fill)")
+        if key in items:  # else the last would silently win
+            raise SpecError(f"axis {key!r} is given twice in spec {spec!r} ({key}={items[key]} and {part}); give each axis once")
+        try:
+            items[key] = int(value)
+        except ValueError:
+            raise SpecError(f"spec entry {part!r}: degree {value!r} is not an integer") from None
+    return items
+
+
 def parse_spec(spec: str | dict[str, int], num_devices: int) -> ParallelSpec:
     """Parse ``"data=2,fsdp=-1,tensor=2"`` (or a dict) into degrees whose product is ``num_devices``."""
     if num_devices < 1:
         raise SpecError(f"spec {spec!r} is laid over {num_devices} devices; pass the device count, at least 1")
-    if isinstance(spec, str):
-        items = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            key, sep, value = part.partition("=")
-            key = key.strip()
-            if not sep:
-                raise SpecError(f"spec entry {part!r} has no degree: write it as '{key}=N' (N, or -1 to fill)")
-            if key in items:  # else the last would silently win
-                raise SpecError(f"axis {key!r} is given twice in spec {spec!r} ({key}={items[key]} and {part}); give each axis once")
-            try:
-                items[key] = int(value)
-            except ValueError:
-                raise SpecError(f"spec entry {part!r}: degree {value!r} is not an integer") from None
-    else:
-        items = dict(spec)
+    items = parse_degrees(spec) if isinstance(spec, str) else dict(spec)
     unknown = [k for k in items if k not in axes()]
     if unknown:
         raise SpecError(f"unknown mesh axis {unknown[0]!r} in spec {spec!r}; the axes are {', '.join(axes())}")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxpar.analysis import memory, traffic
+from jaxpar.analysis import hlo, memory, traffic
 from jaxpar.attention import CAUSAL
-from jaxpar.collectives import context_attention
+from jaxpar.collectives import block_parallel, context_attention
 from jaxpar.train.loop import interruption_message
 from jaxpar.train.step import nonfinite_message
 
@@ -31,9 +31,33 @@ def step_report(trainer, compiled, strategy, cfg, batch_shape: tuple[int, int]) 
         "communication": traffic.compare(compiled.as_text(), trainer, strategy, batch_shape, cfg),
     }
     layout = trainer.layout
-    if layout.ring_axes or layout.a2a_axes:
+    if layout.block_axes:
+        cols = hlo.collectives(compiled.as_text(), layout.mesh)
+        report["block"] = block_report(layout, cols, report["communication"], batch_shape[1], cfg)
+    elif layout.ring_axes or layout.a2a_axes:
         report["context"] = context_report(layout, report["communication"], batch_shape[1], cfg)
     return report
+
+
+def block_report(layout, cols, communication: dict, length: int, cfg) -> dict:
+    """Block parallelism's part of the report (``cols``: the step's collectives; ``length``: the
+    model's 2L): the clean keys and values the context ring carries per layer against the formula,
+    the bytes of every other collective over the block axes but the gradient all-reduce (noisy keys
+    and values never travel: 0), and each device's attention work."""
+    size = lambda axes: int(np.prod([layout.mesh.shape[a] for a in axes]))  # noqa: E731
+    ranks, ring = size(layout.block_axes), size(layout.ring_axes)
+    moved = "all-to-all" if layout.diffusion_fetch else "collective-permute"  # the fetch, or the ring
+    clean = communication.get(moved, {"measured_bytes": 0.0, "optimal_bytes": 0.0})
+    clean_ring = (moved, tuple(layout.ring_axes))
+    others = sum(c.bytes_per_step for c in cols if set(c.mesh_axes) & set(layout.block_axes)
+                 and c.kind != "all-reduce" and (c.kind, c.mesh_axes) != clean_ring)
+    work = block_parallel.attention_work(length // 2, cfg.block_size, ranks, ring, cfg.window, layout.diffusion_fetch)
+    return {"ranks": ranks, "ring": ring, "noisy_blocks_per_device": length // 2 // cfg.block_size // ranks,
+            "clean_kv": "fetched in one all-to-all" if layout.diffusion_fetch else "on the ring",
+            "clean_kv_per_layer": {"measured_bytes": clean["measured_bytes"] / cfg.layers,
+                                   "formula_bytes": clean["optimal_bytes"] / cfg.layers},
+            "other_bytes_over_block_axes": others, "attention_work_per_device": work.tolist(),
+            "imbalance": float(work.max() / work.mean())}
 
 
 def context_report(layout, communication: dict, length: int, cfg) -> dict:
@@ -118,4 +142,12 @@ def format_summary(report: dict) -> str:
             lines.append(f"  {kind:22s} {row['measured_bytes']:14,.0f} bytes   formula {row['formula_bytes']:14,.0f}")
         lines.append(f"  causal attention work per device, max / mean: {ctx['imbalance']:.3f} with the zigzag "
                      f"({ctx['contiguous_imbalance']:.3f} for contiguous chunks)")
+    if "block" in report:
+        bp = report["block"]
+        ring = f", the clean half split over {bp['ring']} (CSBP)" if bp["ring"] > 1 else ", the clean half on every device"
+        kv = bp["clean_kv_per_layer"]
+        lines += ["", f"block parallelism: {bp['noisy_blocks_per_device']} noisy blocks per device of {bp['ranks']}{ring}; per layer and device",
+                  f"  clean K/V {bp['clean_kv']:25s} {kv['measured_bytes']:14,.0f} bytes   formula {kv['formula_bytes']:14,.0f}",
+                  f"  anything else over the block axes but the gradient all-reduce (noisy K/V stay): {bp['other_bytes_over_block_axes']:,.0f} bytes",
+                  f"  attention work per device, max / mean: {bp['imbalance']:.3f}"]
     return "\n".join(lines)

@@ -73,8 +73,10 @@ class Layout:
     # sequence to heads over (all-to-all); the sequence (``length``) is split over both, ring major
     context_ring: tuple[str, ...] = ()
     context_a2a: tuple[str, ...] = ()
-    # block parallelism: the mesh axes a block diffusion model's noisy blocks are split over
+    # block parallelism: the mesh axes a block diffusion model's noisy blocks are split over, and
+    # whether a device fetches the clean keys its blocks read (clean_kv=fetch) instead of a ring
     diffusion_blocks: tuple[str, ...] = ()
+    diffusion_fetch: bool = False
 
     def effective_names(self, names: Names, shape) -> tuple:
         """``names`` with each replicable logical axis that its dim is too short to split replaced

@@ -37,13 +37,15 @@ def small_model():
     return bd3lm.BD3LM(SMALL, rngs=nnx.Rngs(0))
 
 
-def three_part(length: int, block_size: int) -> np.ndarray:
-    """(2L, 2L) bool from the definition: [noisy | clean] tokens, each half cut into blocks."""
+def three_part(length: int, block_size: int, window: int | None = None) -> np.ndarray:
+    """(2L, 2L) bool from the definition: [noisy | clean] tokens, each half cut into blocks; with a
+    sliding window of W tokens a block reads only the W / B clean blocks before its own."""
     pos = np.arange(2 * length)
     noisy = pos < length
     block = (pos % length) // block_size
     qn, kn, qb, kb = noisy[:, None], noisy[None, :], block[:, None], block[None, :]
-    return (qn & kn & (qb == kb)) | (qn & ~kn & (kb < qb)) | (~qn & ~kn & (kb <= qb))
+    near = kb >= qb - (length if window is None else window) // block_size
+    return (qn & kn & (qb == kb)) | (qn & ~kn & (kb < qb) & near) | (~qn & ~kn & (kb <= qb) & near)
 
 
 def dense_attention(q, k, v, allowed):
@@ -58,10 +60,10 @@ def dense_attention(q, k, v, allowed):
 # --- the mask --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("length, block_size", [(16, 4), (24, 8), (8, 8), (6, 1)])
-def test_mask_is_the_three_part_mask(length, block_size):
-    want = three_part(length, block_size)
-    mask = bd3lm.block_diffusion_mask(length, block_size)
+@pytest.mark.parametrize("length, block_size, window", [(16, 4, None), (24, 8, None), (8, 8, None), (6, 1, None), (32, 4, 8), (24, 8, 8)])
+def test_mask_is_the_three_part_mask(length, block_size, window):
+    want = three_part(length, block_size, window)
+    mask = bd3lm.block_diffusion_mask(length, block_size, window)
     assert np.array_equal(np.asarray(mask.dense(2 * length, 2 * length))[0], want)
     # a chunk pair at traced offsets (a ring's): the same entries, from the block counts
     q0, k0 = length // 2, block_size
@@ -273,6 +275,11 @@ def test_bad_input_is_refused_in_words():
         model(jnp.zeros((1, 48), jnp.int32))
     with pytest.raises(JaxparError, match=r"even number of tokens"):
         model(jnp.zeros((1, 33), jnp.int32), block_size=1)
+    for bad in (6, 0, -4):  # a window is whole blocks of clean context
+        with pytest.raises(JaxparError, match=rf"window={bad} must be a positive multiple of the block size 4 .* e.g. 4, 8, 16, 32"):
+            bd3lm.block_diffusion_mask(32, 4, bad)
+    with pytest.raises(JaxparError, match=r"window=8 must be a positive multiple of the block size 16"):
+        dataclasses.replace(SMALL, window=8)
 
 
 # --- the main job: `jaxpar train --model bd3lm-tiny --block-size 16` ---------------------------------
@@ -312,6 +319,11 @@ def test_main_job_refuses_what_the_model_cannot_take():
         run_model_config(RunConfig(model="bd3lm-tiny", seq_len=40, block_size=16))
     with pytest.raises(JaxparError, match="drop --packing"):
         run_model_config(RunConfig(model="bd3lm-tiny", seq_len=64, packing=True))
+    with pytest.raises(JaxparError, match="--window 32 is for block diffusion models"):
+        run_model_config(RunConfig(model="tiny", window=32))
+    with pytest.raises(JaxparError, match="window=24 must be a positive multiple of the block size 16"):
+        run_model_config(RunConfig(model="bd3lm-tiny", seq_len=64, window=24))
+    assert run_model_config(RunConfig(model="bd3lm-tiny", seq_len=64, block_size=8, window=24)).window == 24
 
 
 @pytest.mark.tpu_aot

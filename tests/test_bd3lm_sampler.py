@@ -223,6 +223,9 @@ def test_bad_input_is_refused_in_words():
         sampling.Sampler(llama.Llama(dataclasses.replace(llama.CONFIGS["tiny"], layers=1), rngs=nnx.Rngs(0)))
     with pytest.raises(JaxparError, match=r"vocab=300 must be an int in \[1, data_vocab=256\]"):
         sampling.Sampler(model(), vocab=300)
+    windowed = bd3lm.BD3LM(dataclasses.replace(model().cfg, window=32), rngs=nnx.Rngs(0))
+    with pytest.raises(JaxparError, match=r"trained with a sliding window of 32 tokens.* not built yet"):
+        sampling.Sampler(windowed)
 
 
 def test_jaxpar_generate_prints_the_checkpoints_continuation(trained, tmp_path, capsys):

@@ -1,5 +1,7 @@
 """Block parallelism (parallel/block.py, collectives/block_parallel.py): a block diffusion model's
-noisy blocks split over devices in dual-end pairs, the clean half computed on every device.
+noisy blocks split over devices in dual-end pairs, the clean half computed on every device (BP) or
+split over a context ring whose keys and values travel while the noisy ones stay (CSBP), or, for a
+model with a sliding window, fetched in one all-to-all where a block reads it (clean_kv=fetch).
 
 Every layout trains like one device: the oracle and the comparison are test_equivalence's (3 steps,
 SGD with momentum, gradient clipping; losses, first-step gradients and final weights within
@@ -8,6 +10,7 @@ the same model (the baseline BP is measured against) is held to the same oracle.
 from the compiled HLO; attention work is counted from the mask each device evaluates.
 """
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -24,63 +27,135 @@ from jaxpar.train.loop import check_model_axes
 from jaxpar.train.step import Trainer
 from tests.test_equivalence import CFG, OPTIMIZER, STEPS, assert_same, oracle, sharded
 
-MODEL = dataclasses.replace(bd3lm.CONFIGS["bd3lm-tiny"], layers=2)
 ROWS, LENGTH, BLOCK_SIZE = 16, 64, 4  # 16 blocks per row: block=8 gives each device one pair
+MODEL = dataclasses.replace(bd3lm.CONFIGS["bd3lm-tiny"], layers=2, block_size=BLOCK_SIZE)
+WINDOWED = dataclasses.replace(MODEL, window=2 * BLOCK_SIZE)  # each block reads the 2 clean blocks before it
 
 
 def diffusion_model(rngs):
     return bd3lm.BD3LM(MODEL, rngs=rngs)
 
 
-def diffusion_loss(model, batch):
-    return bd3lm.loss_fn(model, batch, BLOCK_SIZE)
+def windowed_model(rngs):
+    return bd3lm.BD3LM(WINDOWED, rngs=rngs)
 
 
-@pytest.fixture(scope="module")
+@functools.cache
 def host_batches():
     tokens = data.corpus_tokens(20_000)
     return [bd3lm.corrupt(data.batch_at(tokens, step, ROWS, LENGTH, seed=0)[:, :LENGTH], BLOCK_SIZE, (0, step), mask_id=MODEL.mask_id)
             for step in range(STEPS)]
 
 
-@pytest.fixture(scope="module")
-def one_device(host_batches):
-    return oracle(diffusion_model, diffusion_loss, host_batches)
+@functools.cache
+def one_device(model_fn):
+    return oracle(model_fn, bd3lm.loss_fn, host_batches())
 
 
-@pytest.mark.parametrize("strategy", ["block=2,data=4", "block=4,fsdp=2", "block=8", "block=2,tensor=2,fsdp=2",
-                                      "context=4,fsdp=2"])  # the last: context parallelism, the baseline
-def test_layout_trains_like_one_device(strategy, host_batches, one_device):
-    assert_same(sharded(strategy, diffusion_model, diffusion_loss, host_batches), one_device)
+@functools.cache
+def trained(strategy, model_fn=diffusion_model):
+    """(the layout's Trainer, its 3 steps' losses, first gradients, final weights): shared by the
+    tests that read the program that ran."""
+    trainer = Trainer(build_layout(parse_strategy(strategy, 8)), model_fn, bd3lm.loss_fn, CFG, optimizer=OPTIMIZER)
+    return trainer, sharded(trainer, model_fn, bd3lm.loss_fn, host_batches())
 
 
-def test_devices_own_dual_end_pairs_and_do_the_same_attention_work():
+def compiled_collectives(trainer):
+    example = trainer.abstract_batch(ROWS, LENGTH, diffusion=True)
+    return hlo.collectives(trainer._step.lower(trainer.abstract_state(), example).compile().as_text(), trainer.layout.mesh)
+
+
+@pytest.mark.parametrize("strategy, model_fn", [
+    *[(s, diffusion_model) for s in ("block=2,tensor=2,fsdp=2", "block=4,data=2", "block=8")],  # BP
+    *[(s, diffusion_model) for s in ("block=4,context=2,data=2", "block=8,context=4", "block=2,context=2,fsdp=2,data=2")],  # CSBP
+    ("block=8,context=4,clean_kv=fetch", windowed_model),  # CSBP under a sliding window, fetched in one all-to-all
+    ("context=4,fsdp=2", diffusion_model),  # context parallelism, the baseline
+], ids=lambda x: x if isinstance(x, str) else x.__name__)
+def test_layout_trains_like_one_device(strategy, model_fn):
+    assert_same(trained(strategy, model_fn)[1], one_device(model_fn))
+
+
+def test_devices_own_dual_end_pairs():
     owned = block_parallel.owned_blocks(16, 4)
     assert owned.tolist() == [[0, 4, 11, 15], [1, 5, 10, 14], [2, 6, 9, 13], [3, 7, 8, 12]]
     assert sorted(owned.ravel().tolist()) == list(range(16))  # each noisy block on one device
-    # the query-key pairs each device's share allows under the three-part mask, counted token by token
-    places = block_parallel.held_places(LENGTH, BLOCK_SIZE, 8)
+
+
+@pytest.mark.parametrize("ranks, ring", [(8, 1), (4, 1), (8, 4), (4, 2), (8, 2)])
+def test_every_device_does_the_same_attention_work(ranks, ring):
+    # the query-key pairs each device's queries may attend to under the three-part mask, counted
+    # token by token against every key of [x_t ; x_0]: equal within one block's pairs (here exactly)
     mask = bd3lm.block_diffusion_mask(LENGTH, BLOCK_SIZE)
-    work = [int(np.asarray(mask.at(p).dense(len(p), len(p))).sum()) for p in places]
-    assert len(set(work)) == 1, work
-    # and together they compute every noisy query's attention of the whole mask once
+    every_key = np.arange(2 * LENGTH)
+    places = block_parallel.held_places(LENGTH, BLOCK_SIZE, ranks, ring)
+    work = np.array([int(np.asarray(mask.at(p, every_key).dense(len(p), 2 * LENGTH)).sum()) for p in places])
+    assert work.max() - work.min() <= BLOCK_SIZE * BLOCK_SIZE, work
+    np.testing.assert_array_equal(block_parallel.attention_work(LENGTH, BLOCK_SIZE, ranks, ring), work)  # the report's count
+    # together the devices ask every noisy query's attention of the whole mask once, and the clean
+    # queries' once per copy of the clean half (P / C copies)
     whole = np.asarray(mask.dense(2 * LENGTH, 2 * LENGTH))[0]
-    noisy = sum(int(np.asarray(mask.at(p).dense(len(p), len(p)))[0, : LENGTH // 8].sum()) for p in places)
-    assert noisy == int(whole[:LENGTH].sum())
+    assert work.sum() == whole[:LENGTH].sum() + ranks // ring * whole[LENGTH:].sum()
 
 
 def test_only_the_gradient_all_reduce_crosses_the_block_axis():
     # the clean keys and values are computed where they are read: no collective carries keys or
     # values, and over `block` only the weights' gradients (summed with data's) travel
-    trainer = Trainer(build_layout(parse_strategy("block=4,data=2", 8)), diffusion_model, diffusion_loss, CFG, optimizer=OPTIMIZER)
-    example = trainer.abstract_batch(ROWS, LENGTH, diffusion=True)
-    text = trainer.jit_step(example).lower(trainer.abstract_state(), example).compile().as_text()
-    cols = hlo.collectives(text, trainer.layout.mesh)
+    cols = compiled_collectives(trained("block=4,data=2")[0])
     assert {c.kind for c in cols} == {"all-reduce"}, sorted({(c.kind, c.mesh_axes) for c in cols})
     gradients = [c for c in cols if c.operand_bytes > 8]  # the loss and the norm are scalars
     assert {c.mesh_axes for c in gradients} == {("data", "block")}
     # every weight's gradient once, float32 (XLA may fold the scalar loss into the same tuple)
     assert 0 <= sum(c.operand_bytes * c.executions for c in gradients) - MODEL.num_params() * 4 <= 8
+
+
+def test_the_ring_carries_only_clean_keys_and_values_as_its_formula_says():
+    # CSBP, P = 8 devices own noisy blocks, the clean half over a ring of C = 4: every collective-permute
+    # moves one ring rank's clean keys or values (or their gradients), L / C positions, never the
+    # N / P noisy blocks' L / P (by shape), over `context` only (by the replica groups)
+    ranks, ring = 8, 4
+    cols = compiled_collectives(trained(f"block={ranks},context={ring}")[0])
+    permutes = [c for c in cols if c.kind == "collective-permute"]
+    assert {c.mesh_axes for c in permutes} == {("context",)}
+    clean_share = ROWS * LENGTH // ring * MODEL.kv_heads * MODEL.head_dim * 4  # one of K or V, float32
+    assert {c.operand_bytes for c in permutes} == {clean_share}
+    assert {c.kind for c in cols} == {"collective-permute", "all-reduce"}
+    # per layer: forward (C-1)/C of the clean K/V, backward the same again plus the float32 K/V
+    # gradients, C hops of 1/C (the last one home)
+    clean_kv = 2 * ROWS * LENGTH * MODEL.kv_heads * MODEL.head_dim * 4
+    per_layer = 2 * (ring - 1) / ring * clean_kv + clean_kv
+    assert sum(c.bytes_per_step for c in permutes) == pytest.approx(MODEL.layers * per_layer, rel=1e-9)
+
+
+def test_a_sliding_window_fetches_only_the_clean_tokens_its_blocks_read():
+    # a device owns noisy blocks inside its own clean chunks; the plan: it receives exactly the
+    # clean tokens its queries may see under the window and it does not hold (read off the whole
+    # mask), never a noisy one
+    ranks, ring = 8, 4
+    mask = bd3lm.block_diffusion_mask(LENGTH, BLOCK_SIZE, WINDOWED.window)
+    send, received = block_parallel.fetch_plan(mask.blocks.allowed.clean_reads, LENGTH, BLOCK_SIZE, ranks, ring)
+    whole = np.asarray(mask.dense(2 * LENGTH, 2 * LENGTH))[0]
+    places = block_parallel.held_places(LENGTH, BLOCK_SIZE, ranks, ring, fetch=True)
+    assert sorted(places[:, : LENGTH // ranks].ravel().tolist()) == list(range(LENGTH))  # each noisy token on one device
+    for device in range(ranks):
+        seen = set(np.nonzero(whole[places[device]].any(0))[0].tolist()) - set(places[device].tolist())
+        got = received[device][received[device] >= 0]
+        assert sorted(got.tolist()) == sorted(seen) and (got >= LENGTH).all(), device
+    # every block reads W / B + 1 blocks of keys but those of the first window: the devices' work
+    # differs by at most what the first window's blocks (noisy and clean) do not read
+    work = np.array([int(whole[p].sum()) for p in places])
+    np.testing.assert_array_equal(block_parallel.attention_work(LENGTH, BLOCK_SIZE, ranks, ring, WINDOWED.window, fetch=True), work)
+    w = WINDOWED.window // BLOCK_SIZE
+    assert work.max() - work.min() <= 2 * BLOCK_SIZE**2 * w * (w + 1) // 2, work
+    # the program: one all-to-all over context per layer forward and one backward, each device
+    # sending (C-1) slots of S tokens' keys and values; nothing else but the gradient all-reduce
+    cols = compiled_collectives(trained(f"block={ranks},context={ring},clean_kv=fetch", windowed_model)[0])
+    assert {(c.kind, c.mesh_axes) for c in cols if c.kind != "all-reduce"} == {("all-to-all", ("context",))}
+    fetches = [c for c in cols if c.kind == "all-to-all"]
+    assert sum(c.executions for c in fetches) == 2 * MODEL.layers
+    slot = send.shape[2]
+    pair = ROWS * slot * MODEL.kv_heads * MODEL.head_dim * 2 * 4  # K and V of a slot, float32
+    assert sum(c.bytes_per_step for c in fetches) == pytest.approx(MODEL.layers * 2 * (ring - 1) * pair, rel=1e-9)
+    assert slot < LENGTH // ring  # less than the ring would carry: a window of 2 blocks, not the whole clean half
 
 
 def test_bad_block_degrees_and_models_are_refused_with_the_valid_values():
@@ -93,6 +168,17 @@ def test_bad_block_degrees_and_models_are_refused_with_the_valid_values():
     check_model_axes(parse_strategy("block=2,data=4", 8), "bd3lm-tiny")
     with pytest.raises(SpecError, match=r"block=2 with stage=2"):
         parse_strategy("block=2,stage=2,data=2", 8)
+    with pytest.raises(SpecError, match=r"block=6 with context=4: the BP degree .* multiple of the context degree.*block=4 or block=8"):
+        parse_strategy("block=6,context=4", 24)
+    with pytest.raises(SpecError, match=r"CSBP.*context_algorithm=ring, not all-to-all"):
+        parse_strategy("block=4,context=2,context_algorithm=all-to-all,data=2", 8)
+    assert str(parse_strategy("block=4,context=2,data=2", 8)) == "data=2,block=4,context=2"  # P = 4 devices own noisy blocks
+    with pytest.raises(LayoutError, match=r"context=4 splits the clean half of 36 tokens into 2 x 4 zigzag chunks.* e.g. 40"):
+        block_parallel.clean_places(36, 4)
+    with pytest.raises(SpecError, match=r"clean_kv= says how .* drop clean_kv or add block= and context="):
+        parse_strategy("block=8,clean_kv=fetch", 8)
+    with pytest.raises(SpecError, match=r"clean_kv='all': choose ring .* or fetch"):
+        parse_strategy("block=4,context=2,clean_kv=all,data=2", 8)
 
     # a model whose loss never takes its share: every device would compute the whole objective
     trainer = Trainer(build_layout(parse_strategy("block=2,data=4", 8)), lambda rngs: llama.Llama(llama.CONFIGS["tiny"], rngs=rngs),

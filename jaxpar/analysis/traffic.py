@@ -65,12 +65,15 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
 
 
 def held_length(layout, length: int) -> int:
-    """Positions of a ``length``-token row one device holds: 1/C of them under context parallelism;
-    under block parallelism over P devices its noisy blocks and the whole clean half of [x_t ; x_0]
-    (length / 2P + length / 2)."""
+    """Positions of a ``length``-token row one device holds: 1/C of them under context parallelism
+    over C devices; under block parallelism over P devices its noisy blocks and the clean half of
+    [x_t ; x_0], or its 1/C of the clean half under CSBP (length / 2P + length / 2C)."""
+    split = math.prod(layout.mesh.shape[a] for a in layout.axes_of("length") if a not in layout.batch_axes)
     ranks = math.prod(layout.mesh.shape[a] for a in layout.block_axes)
-    split = math.prod(layout.mesh.shape[a] for a in layout.axes_of("length") if a not in layout.batch_axes) // ranks
-    return (length // 2 // ranks + length // 2 if ranks > 1 else length) // split
+    if ranks == 1:
+        return length // split
+    ring = math.prod(layout.mesh.shape[a] for a in layout.ring_axes)
+    return length // 2 // ranks + length // 2 // ring
 
 
 def optimal_traffic_by_axis(trainer, strategy, batch_shape, model_cfg=None) -> dict[tuple[str, str], float]:

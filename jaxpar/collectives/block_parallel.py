@@ -1,16 +1,23 @@
 """A device's share of a block diffusion batch under block parallelism (``parallel/block.py``),
 inside jaxpar's shard_map.
 
-Every device of the ``block`` axes receives its rows whole ([x_t ; x_0], 2L tokens) and keeps the
-noisy blocks it owns, then the whole clean half: N/P + N blocks. ``owned_blocks`` says which, in
+Every device of the block axes receives its rows whole ([x_t ; x_0], 2L tokens) and keeps the
+noisy blocks it owns, then the clean half: all of it under BP, its zigzag share of it under CSBP
+(the clean half split over the ``context`` ring). ``owned_blocks`` says which noisy blocks, in
 dual-end pairs: with N blocks and P devices, device r owns the pairs (i, N-1-i) for i = r, r+P,
 r+2P... below N/2. Noisy block g attends to itself and to the g clean blocks before it, so a pair
 costs (i+1) + (N-i) = N+1 blocks of keys: every device the same.
 
 The attention mask is the model's, evaluated at each held token's place in [x_t ; x_0]
-(``attention.Mask.at``): the mask sees the global noisy block indices. The loss is the mean over
-the tokens a device holds; ``Share.loss_scale`` turns the sum of those means over the devices
-into the mean over the rows' noisy half that one device computes.
+(``attention.Mask.at``): the mask sees the global noisy block indices. Under CSBP the keys of
+the noisy blocks stay where they are and the clean keys travel the ring, each ring rank's at the
+places ``Share.ring_places`` gives. With ``clean_kv=fetch`` (a sliding window: a block reads the
+few clean blocks before it, so every block costs the same past the first window) a device owns
+noisy blocks inside its own clean chunks instead (``local_blocks``) and fetches, in one
+all-to-all over ``context``, just the clean tokens before its chunks that its windows read
+(``fetch_plan``). The loss is the mean over the tokens a device holds;
+``Share.loss_scale`` turns the sum of those means over the devices into the mean over the rows'
+noisy half that one device computes.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.attention import Fetch, Mask
+from jaxpar.collectives.context_attention import sequence_order
 from jaxpar.errors import LayoutError
 from jaxpar.rules import _ACTIVE, _called
 
@@ -37,6 +46,13 @@ def check_degree(num_blocks: int, ranks: int) -> None:
             f"{', '.join(map(str, valid)) or 'none (fewer than 2 blocks)'}, or a --seq-len that gives a multiple of {2 * ranks} blocks")
 
 
+def check_ring(length: int, ring: int) -> None:
+    """Refuse a clean half the context ring's zigzag cannot split."""
+    if ring > 1 and length % (2 * ring):
+        raise LayoutError(f"context={ring} splits the clean half of {length} tokens into 2 x {ring} zigzag chunks: use a "
+                          f"--seq-len that is a multiple of {2 * ring}, e.g. {(length // (2 * ring) + 1) * 2 * ring}")
+
+
 def owned_blocks(num_blocks: int, ranks: int) -> np.ndarray:
     """(ranks, num_blocks // ranks) int: the noisy blocks each device owns, ascending."""
     check_degree(num_blocks, ranks)
@@ -45,22 +61,110 @@ def owned_blocks(num_blocks: int, ranks: int) -> np.ndarray:
                     dtype=np.int32).reshape(ranks, num_blocks // ranks)
 
 
-def held_places(length: int, block_size: int, ranks: int) -> np.ndarray:
-    """(ranks, length / ranks + length) int: the places in [x_t ; x_0] each device holds."""
-    owned = owned_blocks(length // block_size, ranks)
+def local_blocks(num_blocks: int, ranks: int, ring: int) -> np.ndarray:
+    """(ranks, num_blocks // ranks) int: under ``clean_kv=fetch``, the noisy blocks each device
+    owns: those of its ring rank's two zigzag chunks of the clean half, dealt round-robin over the
+    ranks / ring devices that share that ring rank."""
+    if num_blocks % (2 * ring) or num_blocks % ranks:
+        raise LayoutError(f"clean_kv=fetch deals the {num_blocks} blocks of a row in 2 x {ring} zigzag chunks over {ranks} "
+                          f"devices: the number of blocks must be a multiple of {math.lcm(2 * ring, ranks)}; change --seq-len "
+                          f"or --block-size")
+    chunk, groups = num_blocks // (2 * ring), ranks // ring
+    out = []
+    for r in range(ranks):
+        group, c = divmod(r, ring)
+        mine = [*range(c * chunk, (c + 1) * chunk), *range((2 * ring - 1 - c) * chunk, (2 * ring - c) * chunk)]
+        out.append(mine[group::groups])
+    return np.array(out, dtype=np.int32)
+
+
+def clean_places(length: int, ring: int) -> np.ndarray:
+    """(ring, length / ring) int: the places in [x_t ; x_0] of each ring rank's clean tokens."""
+    check_ring(length, ring)
+    return (length + sequence_order(length, ring).reshape(ring, -1)).astype(np.int32)
+
+
+def held_places(length: int, block_size: int, ranks: int, ring: int = 1, fetch: bool = False) -> np.ndarray:
+    """(ranks, tokens held) int: the places in [x_t ; x_0] each device holds, its noisy blocks then
+    its clean tokens (device r is ring rank r % ring: the ring is the inner axis); ``fetch``: the
+    noisy blocks of ``clean_kv=fetch`` (``local_blocks``)."""
+    owned = local_blocks(length // block_size, ranks, ring) if fetch else owned_blocks(length // block_size, ranks)
     noisy = (owned[:, :, None] * block_size + np.arange(block_size)).reshape(ranks, -1)
-    clean = np.broadcast_to(length + np.arange(length), (ranks, length))
+    clean = clean_places(length, ring)[np.arange(ranks) % ring]
     return np.concatenate([noisy, clean], axis=1).astype(np.int32)
+
+
+def attention_work(length: int, block_size: int, ranks: int, ring: int = 1, window: int | None = None, fetch: bool = False) -> np.ndarray:
+    """(ranks,) query-key pairs each device's share attends over, per head and row: a noisy token
+    of block g reads g clean blocks and its own, a clean token of block c the c+1 clean blocks up
+    to its own; at most ``window`` / B clean blocks before their own under a sliding window."""
+    places = held_places(length, block_size, ranks, ring, fetch)
+    before = np.where(places < length, places // block_size, (places - length) // block_size)
+    if window is not None:
+        before = np.minimum(before, window // block_size)
+    return (before + 1).sum(axis=1) * block_size
+
+
+def fetch_plan(reads, length: int, block_size: int, ranks: int, ring: int) -> tuple[np.ndarray, np.ndarray]:
+    """What each device sends and receives in the one all-to-all over the ring (``clean_kv=fetch``):
+    (send (ranks, ring, S): indices of a device's keys it sends each ring rank of its group,
+    received (ranks, ring x S): the places of the keys it gets, -1 for padding). ``reads(qb)``:
+    the clean mask blocks (N..2N-1) query block ``qb`` reads. S, the slot, is the most tokens one
+    device needs from another."""
+    places = held_places(length, block_size, ranks, ring, fetch=True)
+    clean = clean_places(length, ring)
+    owner = {int(p): (c, i) for c in range(ring) for i, p in enumerate(clean[c])}  # place -> (ring rank, index in its share)
+    before = length // ranks  # a device's keys: its noisy tokens, then its clean share
+    wanted = [[[] for _ in range(ring)] for _ in range(ranks)]  # [device][source ring rank]: (key index there, place)
+    for r in range(ranks):
+        own = set(clean[r % ring].tolist())
+        blocks = sorted({kb for qb in set((places[r] // block_size).tolist()) for kb in reads(qb)})
+        for p in (p for kb in blocks for p in range(kb * block_size, (kb + 1) * block_size) if p not in own):
+            src, i = owner[p]
+            wanted[r][src].append((before + i, p))
+    slot = max(1, max(len(w) for row in wanted for w in row))
+    send = np.zeros((ranks, ring, slot), np.int32)
+    received = np.full((ranks, ring, slot), -1, np.int32)
+    for r in range(ranks):
+        for src in range(ring):
+            got = wanted[r][src]
+            sender = r // ring * ring + src  # the device of ring rank src in r's group
+            send[sender, r % ring, : len(got)] = [i for i, _ in got]
+            received[r, src, : len(got)] = [p for _, p in got]
+    return send, received.reshape(ranks, ring * slot)
 
 
 @dataclasses.dataclass(frozen=True)
 class Share:
     """This device's share of the rows: ``places`` (traced int, (tokens held,)) in the whole
-    rows' [x_t ; x_0] of ``length`` tokens per half, and the loss scale (see the module doc)."""
+    rows' [x_t ; x_0] of ``length`` tokens per half, of which the first ``noisy`` are its noisy
+    blocks; ``ring_places`` (ring size, clean tokens per rank) under CSBP, else None; the loss
+    scale (see the module doc); under ``clean_kv=fetch`` the ``block_size``, ranks and this
+    device's index, from which ``mask`` plans the fetch."""
 
     places: jax.Array
     length: int
+    noisy: int
+    ring_places: jax.Array | None
     loss_scale: float
+    fetch: tuple | None = None  # (block_size, ranks, ring, device index) under clean_kv=fetch
+
+    def mask(self, mask: Mask) -> Mask:
+        """``mask`` (over [x_t ; x_0]) evaluated at the held tokens' places."""
+        if self.fetch is not None:
+            block_size, ranks, ring, device = self.fetch
+            send, received = fetch_plan(mask.blocks.allowed.clean_reads, self.length, block_size, ranks, ring)
+            return mask.at(self.places, kv_fetch=Fetch(jnp.asarray(send)[device], jnp.asarray(received)[device]))
+        if self.ring_places is None:
+            return mask.at(self.places)
+        return mask.at(self.places, self.places[: self.noisy], kv_ring=self.ring_places)
+
+
+def _index(layout, axes) -> jax.Array:
+    index = 0
+    for axis in axes:  # mesh order: the first axis major
+        index = index * layout.mesh.shape[axis] + jax.lax.axis_index(axis)
+    return index
 
 
 def share(batch: dict, block_size: int) -> tuple[dict, Share | None]:
@@ -76,11 +180,15 @@ def share(batch: dict, block_size: int) -> tuple[dict, Share | None]:
         raise LayoutError(f"block parallelism cuts (rows, 2L) block diffusion batches; got widths {sorted(widths)}")
     length = next(iter(widths)) // 2
     ranks = math.prod(layout.mesh.shape[a] for a in layout.block_axes)
-    rank = 0
-    for axis in layout.block_axes:
-        rank = rank * layout.mesh.shape[axis] + jax.lax.axis_index(axis)
-    places = jnp.asarray(held_places(length, block_size, ranks))[rank]
+    ring = math.prod(layout.mesh.shape[a] for a in layout.ring_axes)
+    device = _index(layout, layout.block_axes)
+    fetching = ring > 1 and layout.diffusion_fetch
+    places = jnp.asarray(held_places(length, block_size, ranks, ring, fetching))[device]
+    noisy = length // ranks
+    ring_places = jnp.asarray(clean_places(length, ring)) if ring > 1 else None
+    fetch = (block_size, ranks, ring, device) if fetching else None
     held = places.shape[0]
     # each device's mean is over `held` tokens and the step sums the means over the P devices;
     # one device means over the 2L tokens of a row
-    return {key: jnp.take(x, places, axis=1) for key, x in batch.items()}, Share(places, length, held * ranks / (2 * length))
+    return ({key: jnp.take(x, places, axis=1) for key, x in batch.items()},
+            Share(places, length, noisy, ring_places, held * ranks / (2 * length), fetch))

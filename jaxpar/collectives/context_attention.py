@@ -108,6 +108,8 @@ def attention(q, k, v, mask: att.Mask, layout, implementation: str, block_q: int
         q, k, v = (jax.lax.all_to_all(x, a2a, 2, 1, tiled=True) for x in (q, k, v))  # heads split, sequence whole
         if seg is not None:
             seg = att.Segments(*(jax.lax.all_gather(s, a2a, axis=1, tiled=True) for s in (seg.q, seg.kv)))
+    if mask.indices is not None:  # tokens held at given places (block parallelism over the ring: CSBP)
+        return _attention_at_places(q, k, v, mask, layout)
     if ring:
         static = dataclasses.replace(mask, segments=None)
         r_size = math.prod(layout.mesh.shape[a] for a in ring)
@@ -253,6 +255,114 @@ def _ring_bwd(mask, axes, ring_size, res, dout):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# --- the ring at given places -----------------------------------------------------------------
+# A device's keys are [its own (places ``kv``) ; its share of a sequence split over the ring (places
+# ``kv_ring[rank]``)]. Only the share travels; the mask is evaluated at every token's place, so no
+# block pair is skipped. Per layer and device the traffic is the plain ring's for the shared keys:
+# forward (R-1)/R of their K/V bytes; backward the same again plus their float32 gradients, R hops.
+
+
+def _attention_at_places(q, k, v, mask: att.Mask, layout):
+    where = mask.indices
+    if layout.a2a_axes or mask.segments is not None:
+        raise LayoutError("attention at given token places (block parallelism with context=) runs on a ring only, without "
+                          "segment ids: use context_algorithm=ring and no packing")
+    if where.kv_fetch is not None:
+        return _fetched(q, k, v, mask, layout)
+    if where.kv_ring is None:
+        raise LayoutError("under context parallelism attention at given token places needs the places of the keys each ring "
+                          "rank holds, or those to fetch: Mask.at(q, kv, kv_ring=...) or Mask.at(q, kv, kv_fetch=...)")
+    r_size = math.prod(layout.mesh.shape[a] for a in layout.ring_axes)
+    static = dataclasses.replace(mask, indices=None)
+    return _places_ring(static, layout.ring_axes, r_size, q, k, v, where.q, where.kv, where.kv_ring).astype(q.dtype)
+
+
+def _fetched(q, k, v, mask: att.Mask, layout):
+    """Attention over this device's keys and those it fetches in one all-to-all over the ring axes
+    (``attention.Fetch``): K and V travel together, and autodiff sends their cotangents back the
+    same way. Padding slots are masked out as a segment of their own."""
+    where = mask.indices
+    d = k.shape[-1]
+    pairs = jnp.take(jnp.concatenate([k, v], axis=-1), where.kv_fetch.send.reshape(-1), axis=1)
+    got = jax.lax.all_to_all(pairs, layout.ring_axes, 1, 1, tiled=True)  # rank j's slots j*S..(j+1)*S-1
+    keys, values = jnp.concatenate([k, got[..., :d]], 1), jnp.concatenate([v, got[..., d:]], 1)
+    places = jnp.concatenate([where.kv, where.kv_fetch.places])
+    real = places >= 0
+    placed = dataclasses.replace(mask, indices=None).at(where.q, jnp.where(real, places, 0)).with_segments(
+        jnp.ones((q.shape[0], q.shape[1]), jnp.int32), jnp.broadcast_to(real.astype(jnp.int32), (q.shape[0], places.shape[0])))
+    blocks = dict(block_q=math.gcd(q.shape[1], att.DEFAULT_BLOCK), block_kv=math.gcd(keys.shape[1], att.DEFAULT_BLOCK))
+    return att.attention_chunk(q, keys, values, placed, **blocks)[0].astype(q.dtype)
+
+
+def _chunk(mask, q, k, v, at_q, at_kv, out=None, lse=None, dout=None):
+    """``attention_chunk`` (or with ``dout``, ``chunk_grads``) of all of q against one key chunk."""
+    blocks = dict(block_q=math.gcd(q.shape[1], att.DEFAULT_BLOCK), block_kv=math.gcd(k.shape[1], att.DEFAULT_BLOCK))
+    placed = mask.at(at_q, at_kv)
+    if dout is None:
+        return att.attention_chunk(q, k, v, placed, **blocks)
+    return att.chunk_grads(q, k, v, placed, out, lse, dout, **blocks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _places_ring(mask, axes, ring_size, q, k, v, at_q, at_kv, kv_ring):
+    return _places_ring_forward(mask, axes, ring_size, q, k, v, at_q, at_kv, kv_ring)[0]
+
+
+def _places_ring_forward(mask, axes, ring_size, q, k, v, at_q, at_kv, kv_ring):
+    rank = jax.lax.axis_index(axes)
+    kept = at_kv.shape[0]
+    send = lambda x: jax.lax.ppermute(x, axes, _next(ring_size))  # noqa: E731
+    b, n, h, d = q.shape
+    acc = (att.full_varying((b, n, h, d), 0.0, q), att.full_varying((b, n, h), -jnp.inf, q))
+    if kept:
+        acc = att.merge(acc, _chunk(mask, q, k[:, :kept], v[:, :kept], at_q, at_kv))
+
+    def step(carry, i):
+        held, acc = carry
+        arriving = jax.tree.map(send, held)  # issued before the compute below, which does not need it
+        part = _chunk(mask, q, *held, at_q, kv_ring[(rank - i) % ring_size])
+        return (arriving, att.merge(acc, part)), None
+
+    (held, acc), _ = jax.lax.scan(step, ((k[:, kept:], v[:, kept:]), acc), jnp.arange(ring_size - 1))
+    out, lse = att.merge(acc, _chunk(mask, q, *held, at_q, kv_ring[(rank + 1) % ring_size]))
+    return out, (q, k, v, at_q, at_kv, kv_ring, out, lse)
+
+
+def _places_ring_bwd(mask, axes, ring_size, res, dout):
+    q, k, v, at_q, at_kv, kv_ring, out, lse = res
+    rank = jax.lax.axis_index(axes)
+    kept = at_kv.shape[0]
+    send = lambda x: jax.lax.ppermute(x, axes, _next(ring_size))  # noqa: E731
+    dout = dout.astype(jnp.float32)
+    dq = att.full_varying(q.shape, 0.0, q)
+    own = []
+    if kept:
+        gq, gk, gv = _chunk(mask, q, k[:, :kept], v[:, :kept], at_q, at_kv, out, lse, dout)
+        dq, own = dq + gq, [gk, gv]
+
+    def grads(held, grad_acc, i):
+        gq, gk, gv = _chunk(mask, q, *held, at_q, kv_ring[(rank - i) % ring_size], out, lse, dout)
+        return gq, (grad_acc[0] + gk, grad_acc[1] + gv)
+
+    def step(carry, i):
+        held, grad_acc, dq = carry
+        arriving = jax.tree.map(send, held)  # K/V move on while this step's gradients are computed
+        gq, grad_acc = grads(held, grad_acc, i)
+        return (arriving, jax.tree.map(send, grad_acc), dq + gq), None  # the K/V gradients follow their K/V
+
+    shared = (k[:, kept:], v[:, kept:])
+    zeros = tuple(att.full_varying(x.shape, 0.0, q) for x in shared)
+    (held, grad_acc, dq), _ = jax.lax.scan(step, (shared, zeros, dq), jnp.arange(ring_size - 1))
+    gq, grad_acc = grads(held, grad_acc, ring_size - 1)
+    dk, dv = jax.tree.map(send, grad_acc)  # home: the owner of these K/V
+    if own:
+        dk, dv = jnp.concatenate([own[0], dk], 1), jnp.concatenate([own[1], dv], 1)
+    return (dq + gq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+_places_ring.defvjp(_places_ring_forward, _places_ring_bwd)
 
 
 # --- per-rank attention work --------------------------------------------------------------------

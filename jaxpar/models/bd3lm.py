@@ -18,6 +18,8 @@ share RoPE position i. The attention mask over the ``2N`` blocks of that input (
   the keys and values the later noisy blocks read, as a KV cache would at sampling time).
 
 Clean blocks never see noisy ones, so the clean half is exactly the model's view of the prefix.
+With a sliding window of W tokens (``window``, whole blocks) a block reads only the W / B clean
+blocks before it (a clean block: those and itself), whatever the sequence's length.
 
 The objective is the diffusion bound's cross-entropy on the masked noisy tokens, each weighted
 by -alpha'(t_b) / (1 - alpha(t_b)) = 1 / t_b, averaged over the batch's ``L`` noisy positions
@@ -82,6 +84,15 @@ def check_blocks(length: int, block_size: int) -> int:
     return length // block_size
 
 
+def check_window(window, block_size: int) -> None:
+    """Refuse a sliding window that is not a whole number of blocks."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window <= 0 or window % block_size:
+        raise JaxparError(f"window={window!r} must be a positive multiple of the block size {block_size} (the clean tokens "
+                          f"before a block that it reads, in whole blocks): e.g. {', '.join(str(block_size * k) for k in (1, 2, 4, 8))}")
+
+
 def check_t_range(t_range) -> None:
     lo, hi = t_range
     if not 0 < lo <= hi <= 1:
@@ -101,6 +112,7 @@ class BD3LMConfig(LlamaConfig):
     data_vocab: int = dataclasses.field(kw_only=True)
     block_size: int = dataclasses.field(default=BLOCK_SIZE, kw_only=True)
     t_range: tuple[float, float] = dataclasses.field(default=T_RANGE, kw_only=True)
+    window: int | None = dataclasses.field(default=None, kw_only=True)  # sliding window in tokens (None: the whole prefix)
 
     def __post_init__(self):
         if not 0 < self.data_vocab < self.vocab_size:
@@ -108,6 +120,7 @@ class BD3LMConfig(LlamaConfig):
                               f"the id data_vocab is the MASK token")
         check_block_size(self.block_size)
         check_t_range(self.t_range)
+        check_window(self.window, self.block_size)
 
     @property
     def mask_id(self) -> int:
@@ -136,19 +149,30 @@ class _ThreePart:
     rather than a closure, so that two masks of one shape compare equal."""
 
     blocks: int  # N: blocks per half
+    window: int | None = None  # clean blocks before a block that it reads (None: all)
 
     def __call__(self, qb: int, kb: int) -> bool:
         n = self.blocks
-        if qb < n:  # noisy query: its own noisy block, and the clean blocks before it
-            return kb == qb if kb < n else kb - n < qb
-        return n <= kb <= qb  # clean query: clean blocks up to its own
+        if qb < n and kb < n:  # noisy query, noisy key: its own block only
+            return kb == qb
+        return kb >= n and kb in self.clean_reads(qb)
+
+    def clean_reads(self, qb: int) -> range:
+        """The clean blocks (indices N..2N-1) query block ``qb`` reads: a noisy block g the clean
+        blocks before g, a clean block those before it and itself, within the window."""
+        n = self.blocks
+        end = n + qb if qb < n else qb + 1
+        first = n + (qb if qb < n else qb - n) - (self.window if self.window is not None else n)
+        return range(max(n, first), end)
 
 
-def block_diffusion_mask(length: int, block_size: int) -> Mask:
-    """The three-part mask over the ``2 * length`` tokens [x_t ; x_0] (see the module doc), as a
-    block mask the attention op evaluates blockwise, on chunks and on a ring (traced offsets)."""
+def block_diffusion_mask(length: int, block_size: int, window: int | None = None) -> Mask:
+    """The three-part mask over the ``2 * length`` tokens [x_t ; x_0] (see the module doc), with a
+    sliding ``window`` of clean tokens (whole blocks) or without, as a block mask the attention op
+    evaluates blockwise, on chunks and on a ring (traced offsets)."""
     n = check_blocks(length, block_size)
-    return Mask(blocks=BlockMask(_ThreePart(n), block_size, num_blocks=(2 * n, 2 * n)))
+    check_window(window, block_size)
+    return Mask(blocks=BlockMask(_ThreePart(n, None if window is None else window // block_size), block_size, num_blocks=(2 * n, 2 * n)))
 
 
 def positions_for(length: int, rows: int = 1) -> np.ndarray:
@@ -225,14 +249,14 @@ class BD3LM(llama.Llama):
         ``tokens`` and ``positions`` are those, and so are the logits."""
         block_size = self.cfg.block_size if block_size is None else block_size
         if share is not None:
-            mask = block_diffusion_mask(share.length, block_size).at(share.places)
+            mask = share.mask(block_diffusion_mask(share.length, block_size, self.cfg.window))
         else:
             # under context parallelism a device holds 1/C of each row's positions (the ring evaluates
             # the mask at their places in the whole row)
             width = tokens.shape[1] * shard_count(llama.BLOCK, 1)
             if width % 2:
                 raise JaxparError(f"a BD3-LM reads [x_t ; x_0], an even number of tokens per row; got {width}")
-            mask = block_diffusion_mask(width // 2, block_size)
+            mask = block_diffusion_mask(width // 2, block_size, self.cfg.window)
         if positions is None and share is not None:
             positions = jnp.broadcast_to(share.places % share.length, tokens.shape)  # noisy i and clean i share i
         elif positions is None:

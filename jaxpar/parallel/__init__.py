@@ -83,13 +83,21 @@ def parse_strategy(text: str, num_devices: int) -> Strategy:
             given[key] = part.partition("=")[2].strip()
         else:
             axes.append(part)
-    spec = mesh_lib.parse_spec(",".join(axes), num_devices) if axes else mesh_lib.parse_spec({"data": -1}, num_devices)
+    written = ",".join(axes)
+    folded = block.fold(mesh_lib.parse_degrees(written))  # block=P,context=C: P devices in all
+    if folded != mesh_lib.parse_degrees(written):
+        spec = mesh_lib.parse_spec(folded, num_devices)
+    else:
+        spec = mesh_lib.parse_spec(written, num_devices) if axes else mesh_lib.parse_spec({"data": -1}, num_devices)
     options = {key: (parse(key, given[key]) if key in given else default) for key, (_, parse, default) in OPTIONS.items()}
     degrees = spec.degrees
     for module in STRATEGIES:
         if hasattr(module, "reshape"):
             degrees = module.reshape(degrees, options)
-    strategy = Strategy(mesh_lib.ParallelSpec(degrees), options, given, str(spec) if degrees != spec.degrees else "")
+    shown = str(spec) if degrees != spec.degrees else ""
+    if degrees["block"] > 1 and degrees["context"] > 1:  # CSBP is written with block=P counting every device
+        shown = str(mesh_lib.ParallelSpec(dict(spec.degrees, block=degrees["block"] * degrees["context"])))
+    strategy = Strategy(mesh_lib.ParallelSpec(degrees), options, given, shown)
     for module in STRATEGIES:
         module.check(strategy)
     return strategy
@@ -126,5 +134,6 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
     ring, a2a = context.attention_axes(strategy)
     return Layout(
         mesh, compute, stored["param"], stored["optimizer"], stored["grad"], regather=strategy.regather, dcn_axes=dcn_axes,
-        replicable=tensor.REPLICABLE, context_ring=ring, context_a2a=a2a, diffusion_blocks=block.AXES,
+        replicable=tensor.REPLICABLE, context_ring=ring, context_a2a=a2a, diffusion_blocks=block.diffusion_axes(strategy),
+        diffusion_fetch=strategy.options["clean_kv"] == "fetch",
     )

@@ -1,4 +1,5 @@
-"""Block parallelism (BP) for block diffusion models (``models/bd3lm.py``), ``block=P``.
+"""Block parallelism (BP) for block diffusion models (``models/bd3lm.py``), ``block=P``, and
+context-sharded block parallelism (CSBP), ``block=P,context=C``.
 
 A BD3-LM reads [x_t ; x_0]: N noisy blocks, each denoised from itself and the clean blocks before
 it, and the clean sequence, block-causal. Under BP every device of the ``block`` axis owns N / P
@@ -14,26 +15,76 @@ gradients are summed over ``block`` as over the batch axes (``Layout.loss_axes``
 rows reach every device of a ``block`` group whole. Per device and step the only traffic is that
 gradient all-reduce, which ``block`` joins (a ring all-reduce over data x block instead of data).
 The clean half's work is repeated on every device: the price of sending no keys and values.
+
+CSBP, ``block=P,context=C`` (P a multiple of C; P devices in all): the clean half is split over
+the ``context`` ring in zigzag chunks as under context parallelism, so a device holds its N/P noisy
+blocks and L/C clean tokens. The noisy blocks are still owned by all P devices (the mesh axes
+``block`` of P/C and ``context`` of C together, context inner); the clean keys and values travel
+the ring (``collectives/context_attention.py``, at given places), the noisy ones never leave
+their device. Per layer and device the ring sends (C-1)/C of the clean K/V forward, and backward
+the same again plus the clean K/V gradients in float32, C hops of 1/C.
+
+``clean_kv=fetch`` (for a model with a sliding window, where a block reads W/B clean blocks):
+instead of the ring, each device fetches, in one all-to-all over ``context``, the clean tokens its
+blocks read and it does not hold, in slots of S tokens (the most one device needs from another).
+Per layer and device: forward (C-1) x S tokens' K/V, backward their cotangents the same (and the
+forward again under remat).
 """
 
+from jaxpar.collectives import block_parallel
 from jaxpar.errors import SpecError
+from jaxpar.models.bd3lm import block_diffusion_mask
 from jaxpar.parallel import data
 
 AXES = ("block",)
 CROSSES_DCN = True  # only the gradient all-reduce crosses it, as over data
-OPTIONS: dict = {}
+CLEAN_KV = ("ring", "fetch")
+
+
+def _clean_kv(key: str, text: str) -> str:
+    if text not in CLEAN_KV:
+        raise SpecError(f"option {key}={text!r}: choose ring (the clean keys and values travel the context ring) or fetch "
+                        f"(each device fetches, in one all-to-all, the clean blocks its sliding windows read)")
+    return text
+
+
+OPTIONS = {"clean_kv": (_clean_kv, "ring")}
 
 
 def check(strategy):
     degrees = strategy.degrees
+    if "clean_kv" in strategy.given and not (degrees["block"] > 1 and degrees["context"] > 1):
+        raise SpecError(f"clean_kv= says how the clean keys and values cross the context axis under CSBP "
+                        f"(block=P,context=C); {strategy} has no such split: drop clean_kv or add block= and context=")
     if degrees["block"] == 1:
         return
     for axis, why in (("stage", "a pipeline's stages would each hold a share of a different row"),
-                      ("context", "the clean half sharded over context (CSBP) is not built yet"),
                       ("expert", "a block diffusion model has no experts")):
         if degrees[axis] > 1:
             raise SpecError(f"block={degrees['block']} with {axis}={degrees[axis]}: {why}; drop {axis}= or block=")
+    if degrees["context"] > 1 and strategy.options["context_algorithm"] != "ring":
+        raise SpecError(f"block with context={degrees['context']} (CSBP) moves the clean keys and values on a ring: "
+                        f"use context_algorithm=ring, not {strategy.options['context_algorithm']}")
 
+
+def fold(degrees: dict[str, int]) -> dict[str, int]:
+    """The degrees as written, ``block=P,context=C``, as the mesh holds them: ``block`` P/C, so
+    that block x context = P devices. Refuses a P that is not a multiple of C."""
+    p, c = degrees.get("block", 1), degrees.get("context", 1)
+    if p == -1 or p == 1 or c == 1:
+        return degrees
+    if c == -1 or p % c:
+        multiples = [str(c * k) for k in range(1, 5)] if c > 0 else []
+        raise SpecError(f"block={p} with context={c}: the BP degree (devices that own noisy blocks) must be a multiple of "
+                        f"the context degree (devices the clean half is split over), e.g. block="
+                        f"{' or block='.join(multiples) if multiples else 'P with context= a divisor of P'}; or context= one "
+                        f"of {', '.join(str(d) for d in range(2, p + 1) if p % d == 0) or 'none'}")
+    return dict(degrees, block=p // c)
+
+
+def diffusion_axes(strategy) -> tuple[str, ...]:
+    """The mesh axes a block diffusion model's noisy blocks are split over (context inner)."""
+    return AXES + (("context",) if strategy.degrees["block"] > 1 else ())
 
 def rules(strategy, compute: dict, stored: dict):
     compute["length"] = compute["length"] + AXES
@@ -41,13 +92,22 @@ def rules(strategy, compute: dict, stored: dict):
 
 
 def traffic(strategy, ctx) -> dict:
-    """The gradient all-reduce's bytes that ``block`` adds to the data axes' (and context's)."""
-    p = ctx.mesh["block"]
+    """The gradient all-reduce's bytes that ``block`` adds to the data axes' (and context's), and
+    under ``clean_kv=fetch`` the fetch's all-to-all (the ring's are context's)."""
+    p, ring, model = ctx.mesh["block"], ctx.mesh["context"], ctx.model
     if p == 1:
         return {}
     shard = ctx.psi / ctx.grad_shards * ctx.reduce_bytes
-    n = ctx.mesh["data"] * ctx.mesh["context"] * ctx.mesh["context_a2a"]
-    return {("all-reduce", "block"): data.grad_allreduce_bytes(shard, n * p) - data.grad_allreduce_bytes(shard, n)}
+    n = ctx.mesh["data"] * ring * ctx.mesh["context_a2a"]
+    out = {("all-reduce", "block"): data.grad_allreduce_bytes(shard, n * p) - data.grad_allreduce_bytes(shard, n)}
+    if ctx.layout.diffusion_fetch and model is not None:
+        length = ctx.length // 2  # tokens per half of [x_t ; x_0]
+        reads = block_diffusion_mask(length, model.block_size, model.window).blocks.allowed.clean_reads
+        slot = block_parallel.fetch_plan(reads, length, model.block_size, p * ring, ring)[0].shape[2]
+        kv_heads = max(1, model.kv_heads // ctx.mesh["tensor"])
+        pair = ctx.batch // ctx.batch_shards * slot * kv_heads * model.head_dim * 2 * ctx.compute_bytes  # K and V of a slot
+        out[("all-to-all", "context")] = model.layers * (1 + (ctx.remat != "none") + 1) * (ring - 1) * pair
+    return out
 
 
 def memory(strategy, mesh) -> dict:

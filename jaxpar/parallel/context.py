@@ -114,8 +114,10 @@ def traffic(strategy, ctx) -> dict:
     # Recomputation (remat) runs the all-to-alls of a layer's forward again; the ring, a custom
     # VJP, keeps its residuals (measured: the same collective-permutes with and without remat)
     forwards = 1 + (ctx.remat != "none")
-    if ring > 1:
-        kv = rows * ctx.length * kv_heads // a2a * model.head_dim * 2  # elements, whole sequence, the heads held after the all-to-all
+    if ring > 1 and not layout.diffusion_fetch:  # (CSBP's fetch instead: parallel/block.py)
+        # under CSBP (block parallelism with context) only the clean half of [x_t ; x_0] travels
+        travelling = ctx.length // 2 if layout.block_axes else ctx.length
+        kv = rows * travelling * kv_heads // a2a * model.head_dim * 2  # elements, whole sequence, the heads held after the all-to-all
         per_layer = 2 * (ring - 1) / ring * kv * ctx.compute_bytes + kv * 4  # forward, backward, + the float32 K/V gradients' R hops
         out[("collective-permute", layout.ring_axes[0])] = model.layers * per_layer
     if a2a > 1:

@@ -186,6 +186,7 @@ class Sampler:
         if not isinstance(cfg, bd3lm.BD3LMConfig):
             raise JaxparError(f"the sampler generates from block diffusion models (models.bd3lm.BD3LM); got a {type(model).__name__} "
                               f"with a {type(cfg).__name__}")
+        check_unwindowed(cfg.window)
         self.cfg = cfg
         self.block_size = cfg.block_size if block_size is None else block_size
         bd3lm.check_block_size(self.block_size)
@@ -399,6 +400,14 @@ class Generated:
     step: int  # the checkpoint's step
 
 
+def check_unwindowed(window) -> None:
+    """Refuse a model trained with a sliding window: the cache here holds, and every block reads,
+    the whole clean prefix."""
+    if window is not None:
+        raise JaxparError(f"the model was trained with a sliding window of {window} tokens; the sampler reads the whole "
+                          f"clean prefix, which that model never saw: generation for windowed models is not built yet")
+
+
 def generate_from_checkpoint(checkpoint_dir: str, prompt_text: str, new_blocks: int, *, denoise_steps: int | None = None,
                              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, block_size: int | None = None,
                              max_length: int | None = None, layout: Layout | None = None, step: int | None = None) -> Generated:
@@ -410,6 +419,7 @@ def generate_from_checkpoint(checkpoint_dir: str, prompt_text: str, new_blocks: 
         return block_size or meta.get("block_size") or cfg.block_size
 
     def check(meta, cfg):  # the settings against the checkpoint's blocks, before its arrays are read
+        check_unwindowed(meta.get("window"))
         check_sampling(run_block_size(meta, cfg), run_block_size(meta, cfg) if denoise_steps is None else denoise_steps,
                        temperature, top_p)
 

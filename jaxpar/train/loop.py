@@ -44,6 +44,7 @@ class RunConfig:
     seed: int = 0
     packing: bool = False  # rows of whole documents (train.data.packed_batch_at), not windows of the stream
     block_size: int | None = None  # a block diffusion model's blocks (None: its config's)
+    window: int | None = None  # a block diffusion model's sliding window in tokens (None: its config's)
     train: TrainConfig = TrainConfig()
     # TrainConfig fields set on purpose even where they equal the default (the CLI's flags): like
     # any other non-default value, they are refused when the layout would ignore them
@@ -102,13 +103,15 @@ def check_run(run: RunConfig, checkpoint: CheckpointConfig | None = None, resume
 
 
 def run_model_config(run: RunConfig):
-    """The config of the run's model, with its ``--block-size`` (block diffusion models only);
-    refuses a block size that does not divide ``--seq-len`` and options the model cannot take."""
+    """The config of the run's model, with its ``--block-size`` and ``--window`` (block diffusion
+    models only); refuses a block size that does not divide ``--seq-len`` and options the model
+    cannot take."""
     cfg = model_config(run.model)
     if model_family(cfg) != "bd3lm":
-        if run.block_size is not None:
-            raise JaxparError(f"--block-size {run.block_size} is for block diffusion models (e.g. --model bd3lm-tiny); "
-                              f"{run.model} is autoregressive: drop it")
+        for flag, value in (("--block-size", run.block_size), ("--window", run.window)):
+            if value is not None:
+                raise JaxparError(f"{flag} {value} is for block diffusion models (e.g. --model bd3lm-tiny); "
+                                  f"{run.model} is autoregressive: drop it")
         return cfg
     if run.packing:
         raise JaxparError(f"--packing on packs documents for next-token models; {run.model} trains on windows of "
@@ -116,6 +119,9 @@ def run_model_config(run: RunConfig):
     if run.block_size is not None:
         bd3lm.check_block_size(run.block_size)
         cfg = dataclasses.replace(cfg, block_size=run.block_size)
+    if run.window is not None:
+        bd3lm.check_window(run.window, cfg.block_size)
+        cfg = dataclasses.replace(cfg, window=run.window)
     bd3lm.check_blocks(run.seq_len, cfg.block_size)
     return cfg
 
@@ -302,8 +308,9 @@ def run_training(
     example = trainer.abstract_batch(run.batch_size, run.seq_len, packed=run.packing, diffusion=diffusion)
     compiled = trainer.jit_step(example).lower(state, example).compile()
     meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": layout.mesh.size, "processes": jax.process_count()}
-    if diffusion:  # the sampler reads the blocks the model was trained on
+    if diffusion:  # the sampler reads the blocks (and the window) the model was trained on
         meta["block_size"] = cfg.block_size
+        meta["window"] = cfg.window
     if run.packing:  # whole documents packed into rows
         train, held = data.documents(tokens), data.documents(held_out)
         rows_at = data.packed_batch_at

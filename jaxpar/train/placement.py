@@ -55,7 +55,7 @@ class BatchPlacement:
                     f"batch of {leaf.shape[0]} examples does not split evenly over {shards} = batch axes "
                     f"{self.layout.batch_axes} x {self.microbatches} micro-batches; use a multiple of {shards}"
                 )
-        if self.layout.ring_axes or self.layout.a2a_axes:
+        if (self.layout.ring_axes or self.layout.a2a_axes) and not self.layout.block_axes:  # BP checks its own
             self._check_sequences(batch, length)
 
     def _check_sequences(self, batch, length):

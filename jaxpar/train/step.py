@@ -277,7 +277,8 @@ class Trainer:
         plans = self._plans if plans is None else plans
         k = cfg.microbatches
         shards = layout.loss_shards * k
-        split_sequence = bool(layout.ring_axes or layout.a2a_axes)
+        # under block parallelism the loss cuts its own share of each row (collectives/block_parallel.py)
+        split_sequence = bool(layout.ring_axes or layout.a2a_axes) and not layout.block_axes
 
         # Make every weight vary over the axes the tokens are split over: its gradient is then the
         # unreduced local one, and the reductions below are the only ones (no implicit all-reduce).
