@@ -94,15 +94,19 @@ def held_places(length: int, block_size: int, ranks: int, ring: int = 1, fetch: 
     return np.concatenate([noisy, clean], axis=1).astype(np.int32)
 
 
-def attention_work(length: int, block_size: int, ranks: int, ring: int = 1, window: int | None = None, fetch: bool = False) -> np.ndarray:
-    """(ranks,) query-key pairs each device's share attends over, per head and row: a noisy token
-    of block g reads g clean blocks and its own, a clean token of block c the c+1 clean blocks up
-    to its own; at most ``window`` / B clean blocks before their own under a sliding window."""
-    places = held_places(length, block_size, ranks, ring, fetch)
+def keys_read(places: np.ndarray, length: int, block_size: int, window: int | None = None) -> np.ndarray:
+    """The keys the query at each place of [x_t ; x_0] reads under the three-part mask: a noisy
+    token of block g its own block and g clean blocks, a clean token of block c the c+1 clean
+    blocks up to its own; at most ``window`` / B clean blocks before their own under a window."""
     before = np.where(places < length, places // block_size, (places - length) // block_size)
     if window is not None:
         before = np.minimum(before, window // block_size)
-    return (before + 1).sum(axis=1) * block_size
+    return (before + 1) * block_size
+
+
+def attention_work(length: int, block_size: int, ranks: int, ring: int = 1, window: int | None = None, fetch: bool = False) -> np.ndarray:
+    """(ranks,) query-key pairs each device's share attends over, per head and row."""
+    return keys_read(held_places(length, block_size, ranks, ring, fetch), length, block_size, window).sum(axis=1)
 
 
 def fetch_plan(reads, length: int, block_size: int, ranks: int, ring: int) -> tuple[np.ndarray, np.ndarray]:
