@@ -1,7 +1,7 @@
 """BD3-LM (jaxpar/models/bd3lm.py): the three-part mask against its definition written token by
-token, the corruption (deterministic, only the noisy half, each block masked at its level), the
-loss against a plain-jnp forward written here from the definitions, and one layout against one
-device.
+token, the corruption (deterministic, only the noisy half, each block masked at its level) and the
+loss against a plain-jnp forward written here from the definitions. Layouts against one device:
+tests/test_block_parallel.py.
 
 Tolerances (float32 on CPU): attention outputs within 1e-5 of the reference's largest entry; the
 loss and its gradients within rtol 1e-5 / 1e-4 and atol 1e-6 / 1e-5 (the same sums in other
@@ -21,10 +21,9 @@ from flax import nnx
 from jaxpar import attention as A
 from jaxpar.errors import JaxparError
 from jaxpar.models import bd3lm, model_config, model_family
-from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.rules import LOGICAL_AXES
 from jaxpar.train import data
-from jaxpar.train.step import TrainConfig, Trainer, abstract_model
+from jaxpar.train.step import abstract_model
 
 CFG = bd3lm.CONFIGS["bd3lm-tiny"]
 MASK = CFG.mask_id
@@ -211,32 +210,6 @@ def test_loss_and_gradients_equal_the_plain_forward():
     assert 3 < float(loss) < 30  # about ln(256) per masked token, times 1/t and the masked fraction
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads)
     assert float(beyond_data) == 0.0  # no probability on MASK or the padding ids
-
-
-# --- a layout against one device -------------------------------------------------------------------
-
-
-def test_a_layout_gives_one_devices_loss_and_gradients():
-    """data=2,fsdp=2,tensor=2 (vocab-parallel loss, FSDP-gathered layers, sharded batch) against
-    jax.value_and_grad on one device, from the same weights and the same host batch."""
-    rows, length, size = 8, 32, 8
-    windows = data.batch_at(data.corpus_tokens(20_000), 0, rows, length, seed=0)[:, :length]
-    host = bd3lm.corrupt(windows, size, (0, 0), mask_id=MASK)
-    loss_fn = lambda model, batch: bd3lm.loss_fn(model, batch, size)  # noqa: E731
-    graphdef, state = nnx.split(small_model())
-    params = jax.device_get(nnx.to_pure_dict(state))
-
-    def one_device(p, batch):
-        nnx.replace_by_pure_dict(state, p)
-        return loss_fn(nnx.merge(graphdef, state), batch)
-
-    ref, ref_grads = jax.jit(jax.value_and_grad(one_device))(params, host)
-    layout = build_layout(parse_strategy("data=2,fsdp=2,tensor=2", 8))
-    trainer = Trainer(layout, lambda rngs: bd3lm.BD3LM(SMALL, rngs=rngs), loss_fn, TrainConfig(clip_norm=0.0))
-    loss, _, grads = jax.jit(trainer.grad_fn())(jax.device_put(params, trainer.state_shardings.params), trainer.put_batch(host))
-    assert trainer.path == "manual"
-    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), jax.device_get(grads), jax.device_get(ref_grads))
 
 
 # --- configs and bad input -------------------------------------------------------------------------
