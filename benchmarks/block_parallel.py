@@ -13,7 +13,7 @@
    and on 8 H100s (the topology files' FLOP/s, efficiency and link bandwidth): per device and
    layer, the tokens held, the attention pairs of the busiest device, the K/V bytes sent, and a
    step-time estimate max(compute, ring traffic) with compute = matmul and attention FLOPs at the
-   chip's matmul efficiency and the ring overlapped with it (the model of ``analysis/roofline.py``
+   chip's matmul efficiency and the ring overlapped with it, at the roofline's link bandwidth (the model of ``analysis/roofline.py``
    for one layer, written out here for layouts it does not know). The ratio to CP stands next to
    the paper's measured 1.61x (16 H200) and 7.59x (8 H100).
 """
@@ -99,7 +99,7 @@ def layer_estimate(cfg, length: int, topology, devices: int, strategy: str):
     weights = 2 * cfg.embed * cfg.heads * cfg.head_dim + 2 * cfg.embed * cfg.kv_heads * cfg.head_dim + 3 * cfg.embed * cfg.mlp
     flops = 3 * (2 * held * weights + 4 * pairs * cfg.heads * cfg.head_dim)  # forward, backward twice
     compute = flops / (topology.peak_bf16_flops * roofline.matmul_efficiency(topology.chip))
-    return held, pairs, sent, max(compute, sent / topology.ici_bandwidth)
+    return held, pairs, sent, max(compute, roofline.collective_seconds("collective-permute", sent, False, topology))
 
 
 def main():
