@@ -11,7 +11,8 @@
    not the busiest device's time on real hardware.
 2. Analytic, the ``bd3lm-8b`` shape (llama3-8b) at 32K-128K tokens, one sequence, on 16 v5p chips
    and on 8 H100s (the topology files' FLOP/s, efficiency and link bandwidth): per device and
-   layer, the tokens held, the attention pairs of the busiest device, the K/V bytes sent, and a
+   layer, the tokens held, the attention pairs of the busiest device, the K/V bytes sent, an
+   estimate of a device's memory (``layer_estimate`` says what it counts), and a
    step-time estimate max(compute, ring traffic) with compute = matmul and attention FLOPs at the
    chip's matmul efficiency and the ring overlapped with it, at the roofline's link bandwidth (the model of ``analysis/roofline.py``
    for one layer, written out here for layouts it does not know). The ratio to CP stands next to
@@ -83,7 +84,11 @@ def device_pairs(length: int, block_size: int, window, ranks: int, ring: int, fe
 
 def layer_estimate(cfg, length: int, topology, devices: int, strategy: str):
     """Per device and layer for one sequence: (tokens held, busiest device's attention pairs, K/V
-    bytes sent, seconds) under ``strategy`` on ``devices`` chips (bf16, forward and backward)."""
+    bytes sent, seconds, memory bytes) under ``strategy`` on ``devices`` chips (bf16, forward and
+    backward). Memory: the weights' state split over every device (16 bytes a weight: float32
+    weights, gradients and two Adam moments), each layer's bf16 input kept for the backward pass
+    (remat full) and one layer's working set (its input, q/k/v/out and the MLP's three activations,
+    bf16; the attention itself flash-like, linear in the tokens)."""
     degrees = parse_strategy(strategy, devices).degrees
     ranks, ring = degrees["block"] * degrees["context"], degrees["context"]
     if degrees["block"] > 1:
@@ -99,7 +104,10 @@ def layer_estimate(cfg, length: int, topology, devices: int, strategy: str):
     weights = 2 * cfg.embed * cfg.heads * cfg.head_dim + 2 * cfg.embed * cfg.kv_heads * cfg.head_dim + 3 * cfg.embed * cfg.mlp
     flops = 3 * (2 * held * weights + 4 * pairs * cfg.heads * cfg.head_dim)  # forward, backward twice
     compute = flops / (topology.peak_bf16_flops * roofline.matmul_efficiency(topology.chip))
-    return held, pairs, sent, max(compute, roofline.collective_seconds("collective-permute", sent, False, topology))
+    seconds = max(compute, roofline.collective_seconds("collective-permute", sent, False, topology))
+    saved = cfg.layers * held * cfg.embed * 2
+    working = held * (2 * cfg.embed + (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim + 3 * cfg.mlp) * 2
+    return held, pairs, sent, seconds, 16 * cfg.num_params() / devices + saved + working
 
 
 def main():
@@ -124,13 +132,15 @@ def main():
         ring = 4 if devices > 8 else 2
         print(f"\nbd3lm-8b, one sequence, {devices} x {topology.chip}; per device and layer, estimated "
               f"(the paper: {PAPER[topology.platform]})")
-        print(f"{'tokens':>7s} {'strategy':22s} {'held':>8s} {'pairs (max)':>14s} {'K/V sent':>12s} {'ms':>8s} {'vs CP':>6s}")
+        print(f"{'tokens':>7s} {'strategy':22s} {'held':>8s} {'pairs (max)':>14s} {'K/V sent':>12s} {'ms':>8s} {'vs CP':>6s} {'memory':>9s}")
         for length in (32_768, 65_536, 131_072):
             layouts = [f"context={devices}", f"block={devices}", f"block={devices},context={ring}"]
             rows = [(s, layer_estimate(cfg, length, topology, devices, s)) for s in layouts]
             cp = rows[0][1][3]
-            for s, (held, pairs, sent, seconds) in rows:
-                print(f"{length:7d} {s:22s} {held:8d} {pairs:14,d} {sent / 2**20:9.1f} MiB {1e3 * seconds:8.2f} {cp / seconds:5.2f}x")
+            for s, (held, pairs, sent, seconds, memory) in rows:
+                fits = "" if memory <= topology.hbm_bytes else " (over)"
+                print(f"{length:7d} {s:22s} {held:8d} {pairs:14,d} {sent / 2**20:9.1f} MiB {1e3 * seconds:8.2f} {cp / seconds:5.2f}x "
+                      f"{memory / 1e9:6.1f} GB{fits}")
 
 
 if __name__ == "__main__":

@@ -106,8 +106,10 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     attention = cfg.attention
     if attention == "auto":
         # a TPU pod runs JAX's splash kernel (this host's backend, the CPU, would choose blockwise), so
-        # the compiled memory is the pod's; lengths splash cannot tile take blockwise
-        attention = "splash" if target.compiler == "tpu" and seq_len % 128 == 0 else "blockwise"
+        # the compiled memory is the pod's; lengths splash cannot tile take blockwise, and so does
+        # block parallelism (its mask is evaluated at each device's token places, which splash cannot)
+        splash = target.compiler == "tpu" and seq_len % 128 == 0 and strategy.degrees["block"] == 1
+        attention = "splash" if splash else "blockwise"
     train_cfg = dataclasses.replace(cfg, attention=attention, memory_bytes=topology.hbm_bytes)
     trainer = Trainer(layout, *model_and_loss(model_cfg), train_cfg)
     trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"), seq_len)
