@@ -231,27 +231,40 @@ def _ring_fwd(mask, axes, ring_size, q, k, v, seg_q, seg_kv):
     return out, res
 
 
-def _ring_bwd(mask, axes, ring_size, res, dout):
-    q, k, v, seg_q, seg_kv, out, lse = res
+def _ring_backward(axes, ring_size, held, dq, grads_of):
+    """The backward ring: the K/V (``held``: K, V and what travels with them) go round again while
+    each step's gradients are computed (``grads_of(held, src ring rank) -> (dq, dk, dv)``); the K/V
+    gradients travel with their K/V and one last hop sends them home. (dq, dk, dv) float32."""
     rank = jax.lax.axis_index(axes)
     send = lambda x: jax.lax.ppermute(x, axes, _next(ring_size))  # noqa: E731
-    dout = dout.astype(jnp.float32)
 
-    def grads(held, grad_acc, i):
-        gq, gk, gv = _step_grads(mask, ring_size, rank, (rank - i) % ring_size, q, held[0], held[1], seg_q, held[2], out, lse, dout)
-        return gq, (grad_acc[0] + gk, grad_acc[1] + gv)
+    def add(held, grad_acc, dq, i):
+        gq, gk, gv = grads_of(held, (rank - i) % ring_size)
+        return (grad_acc[0] + gk, grad_acc[1] + gv), dq + gq
 
     def step(carry, i):
         held, grad_acc, dq = carry
         arriving = jax.tree.map(send, held)  # K/V move on while this step's gradients are computed
-        gq, grad_acc = grads(held, grad_acc, i)
-        return (arriving, jax.tree.map(send, grad_acc), dq + gq), None  # the K/V gradients follow their K/V
+        grad_acc, dq = add(held, grad_acc, dq, i)
+        return (arriving, jax.tree.map(send, grad_acc), dq), None  # the K/V gradients follow their K/V
 
-    zeros = (att.full_varying(k.shape, 0.0, q), att.full_varying(v.shape, 0.0, q))
-    (held, grad_acc, dq), _ = jax.lax.scan(step, ((k, v, seg_kv), zeros, att.full_varying(q.shape, 0.0, q)), jnp.arange(ring_size - 1))
-    gq, grad_acc = grads(held, grad_acc, ring_size - 1)
+    zeros = tuple(att.full_varying(x.shape, 0.0, dq) for x in held[:2])
+    (held, grad_acc, dq), _ = jax.lax.scan(step, (held, zeros, dq), jnp.arange(ring_size - 1))
+    grad_acc, dq = add(held, grad_acc, dq, ring_size - 1)
     dk, dv = jax.tree.map(send, grad_acc)  # home: the owner of these K/V
-    return (dq + gq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq, dk, dv
+
+
+def _ring_bwd(mask, axes, ring_size, res, dout):
+    q, k, v, seg_q, seg_kv, out, lse = res
+    rank = jax.lax.axis_index(axes)
+    dout = dout.astype(jnp.float32)
+
+    def grads_of(held, src):
+        return _step_grads(mask, ring_size, rank, src, q, held[0], held[1], seg_q, held[2], out, lse, dout)
+
+    dq, dk, dv = _ring_backward(axes, ring_size, (k, v, seg_kv), att.full_varying(q.shape, 0.0, q), grads_of)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -332,9 +345,7 @@ def _places_ring_forward(mask, axes, ring_size, q, k, v, at_q, at_kv, kv_ring):
 
 def _places_ring_bwd(mask, axes, ring_size, res, dout):
     q, k, v, at_q, at_kv, kv_ring, out, lse = res
-    rank = jax.lax.axis_index(axes)
     kept = at_kv.shape[0]
-    send = lambda x: jax.lax.ppermute(x, axes, _next(ring_size))  # noqa: E731
     dout = dout.astype(jnp.float32)
     dq = att.full_varying(q.shape, 0.0, q)
     own = []
@@ -342,24 +353,13 @@ def _places_ring_bwd(mask, axes, ring_size, res, dout):
         gq, gk, gv = _chunk(mask, q, k[:, :kept], v[:, :kept], at_q, at_kv, out, lse, dout)
         dq, own = dq + gq, [gk, gv]
 
-    def grads(held, grad_acc, i):
-        gq, gk, gv = _chunk(mask, q, *held, at_q, kv_ring[(rank - i) % ring_size], out, lse, dout)
-        return gq, (grad_acc[0] + gk, grad_acc[1] + gv)
+    def grads_of(held, src):
+        return _chunk(mask, q, *held, at_q, kv_ring[src], out, lse, dout)
 
-    def step(carry, i):
-        held, grad_acc, dq = carry
-        arriving = jax.tree.map(send, held)  # K/V move on while this step's gradients are computed
-        gq, grad_acc = grads(held, grad_acc, i)
-        return (arriving, jax.tree.map(send, grad_acc), dq + gq), None  # the K/V gradients follow their K/V
-
-    shared = (k[:, kept:], v[:, kept:])
-    zeros = tuple(att.full_varying(x.shape, 0.0, q) for x in shared)
-    (held, grad_acc, dq), _ = jax.lax.scan(step, (shared, zeros, dq), jnp.arange(ring_size - 1))
-    gq, grad_acc = grads(held, grad_acc, ring_size - 1)
-    dk, dv = jax.tree.map(send, grad_acc)  # home: the owner of these K/V
+    dq, dk, dv = _ring_backward(axes, ring_size, (k[:, kept:], v[:, kept:]), dq, grads_of)
     if own:
         dk, dv = jnp.concatenate([own[0], dk], 1), jnp.concatenate([own[1], dv], 1)
-    return (dq + gq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _places_ring.defvjp(_places_ring_forward, _places_ring_bwd)
