@@ -93,13 +93,16 @@ def test_quantizer_round_trip_bounds(bits):
     packed = quantize.quantize_dynamiq(x, bits, None)
     assert packed.words.shape == (bits * x.size // wire.GROUP,)  # exactly the budget on the wire
     y = quantize.dequantize_dynamiq(packed, bits, None)
-    # without a dither: within half a step of each value, the step being its group's
+    # without a dither: within half a step of each value, the step being its group's, plus the
+    # float32 rounding of the value rebuilt (an ulp of it: how the compiler orders the arithmetic,
+    # e.g. at another LLVM optimisation level, moves the error by that much)
     group_scale = quantize.group_scales(packed.scales, packed.codes)
     width = quantize.allocate_bits(group_scale, packed.words.shape[0])
     assert int(width.sum()) == bits * x.size // wire.GROUP and (width >= wire.MIN_BITS).all()
     step = group_scale / (2.0 ** (width - 1) - 1.5)
     err = jnp.abs(y - x).reshape(-1, wire.GROUP)
-    assert (err <= step[:, None] / 2 * (1 + 1e-5)).all()
+    ulp = jnp.finfo(jnp.float32).eps * jnp.abs(x).reshape(-1, wire.GROUP)
+    assert (err <= step[:, None] / 2 * (1 + 1e-5) + ulp).all()
 
 
 def test_wide_groups_get_more_bits_and_the_greedy_optimum():
