@@ -95,8 +95,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     check_fits_fully_sharded(model_cfg.num_params(), topology, name)
     strategy = parse_strategy(strategy_text, topology.num_chips)  # before the (slow) TPU compiler is loaded
     check_model_axes(strategy, name)
-    if strategy.degrees["block"] > 1:
-        check_block_degree(strategy, model_cfg, seq_len)
+    check_block_degree(strategy, model_cfg, seq_len)
     if dump_hlo is not None:
         check_writable(str(dump_hlo), "--dump-hlo", directory=True)
     target = target_for(topology)
@@ -108,7 +107,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
         # a TPU pod runs JAX's splash kernel (this host's backend, the CPU, would choose blockwise), so
         # the compiled memory is the pod's; lengths splash cannot tile take blockwise, and so does
         # block parallelism (its mask is evaluated at each device's token places, which splash cannot)
-        splash = target.compiler == "tpu" and seq_len % 128 == 0 and strategy.degrees["block"] == 1
+        splash = target.compiler == "tpu" and seq_len % 128 == 0 and strategy.block_ranks == 1
         attention = "splash" if splash else "blockwise"
     train_cfg = dataclasses.replace(cfg, attention=attention, memory_bytes=topology.hbm_bytes)
     trainer = Trainer(layout, *model_and_loss(model_cfg), train_cfg)

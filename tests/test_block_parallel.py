@@ -23,7 +23,7 @@ from jaxpar.errors import JaxparError, LayoutError, SpecError
 from jaxpar.models import bd3lm, llama
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.train import data
-from jaxpar.train.loop import check_model_axes
+from jaxpar.train.loop import check_block_degree, check_model_axes
 from jaxpar.train.step import Trainer
 from tests.test_equivalence import CFG, OPTIMIZER, STEPS, assert_same, oracle, sharded
 
@@ -175,6 +175,12 @@ def test_bad_block_degrees_and_models_are_refused_with_the_valid_values():
     assert str(parse_strategy("block=4,context=2,data=2", 8)) == "data=2,block=4,context=2"  # P = 4 devices own noisy blocks
     with pytest.raises(LayoutError, match=r"context=4 splits the clean half of 36 tokens into 2 x 4 zigzag chunks.* e.g. 40"):
         block_parallel.clean_places(36, 4)
+    # a run is checked before anything is placed, with P counting every device that owns blocks
+    csbp = parse_strategy("block=8,context=2", 8)  # the mesh's block axis is 4
+    with pytest.raises(LayoutError, match=r"block=8 cannot split 4 diffusion blocks"):
+        check_block_degree(csbp, MODEL, 4 * BLOCK_SIZE)
+    assert parse_strategy("block=2,context=2,data=4", 8).block_ranks == 2  # CSBP though the mesh's block axis is 1
+    check_block_degree(csbp, MODEL, LENGTH)
     with pytest.raises(SpecError, match=r"clean_kv= says how .* drop clean_kv or add block= and context="):
         parse_strategy("block=8,clean_kv=fetch", 8)
     with pytest.raises(SpecError, match=r"clean_kv='all': choose ring .* or fetch"):

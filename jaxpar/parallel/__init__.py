@@ -50,6 +50,7 @@ class Strategy:
     options: dict  # every option, given or default
     given: dict = dataclasses.field(default_factory=dict)  # the options as written (key -> text)
     written: str = ""  # the degrees as written, e.g. "fsdp=8" for fsdp=4 x fsdp_group=2
+    block_ranks: int = 1  # devices that own a block diffusion model's noisy blocks: the written block=P
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -95,9 +96,13 @@ def parse_strategy(text: str, num_devices: int) -> Strategy:
         if hasattr(module, "reshape"):
             degrees = module.reshape(degrees, options)
     shown = str(spec) if degrees != spec.degrees else ""
-    if degrees["block"] > 1 and degrees["context"] > 1:  # CSBP is written with block=P counting every device
-        shown = str(mesh_lib.ParallelSpec(dict(spec.degrees, block=degrees["block"] * degrees["context"])))
-    strategy = Strategy(mesh_lib.ParallelSpec(degrees), options, given, shown)
+    # CSBP is written with block=P counting every device that owns blocks; the mesh's block axis is
+    # P / C, which is 1 where P = C
+    written_block = mesh_lib.parse_degrees(written).get("block", 1)
+    block_ranks = degrees["block"] * degrees["context"] if written_block != 1 and degrees["context"] > 1 else degrees["block"]
+    if block_ranks > 1 and degrees["context"] > 1:
+        shown = str(mesh_lib.ParallelSpec(dict(spec.degrees, block=block_ranks)))
+    strategy = Strategy(mesh_lib.ParallelSpec(degrees), options, given, shown, block_ranks)
     for module in STRATEGIES:
         module.check(strategy)
     return strategy

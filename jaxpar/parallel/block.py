@@ -53,15 +53,15 @@ OPTIONS = {"clean_kv": (_clean_kv, "ring")}
 
 def check(strategy):
     degrees = strategy.degrees
-    if "clean_kv" in strategy.given and not (degrees["block"] > 1 and degrees["context"] > 1):
+    if "clean_kv" in strategy.given and not (strategy.block_ranks > 1 and degrees["context"] > 1):
         raise SpecError(f"clean_kv= says how the clean keys and values cross the context axis under CSBP "
                         f"(block=P,context=C); {strategy} has no such split: drop clean_kv or add block= and context=")
-    if degrees["block"] == 1:
+    if strategy.block_ranks == 1:
         return
     for axis, why in (("stage", "a pipeline's stages would each hold a share of a different row"),
                       ("expert", "a block diffusion model has no experts")):
         if degrees[axis] > 1:
-            raise SpecError(f"block={degrees['block']} with {axis}={degrees[axis]}: {why}; drop {axis}= or block=")
+            raise SpecError(f"block={strategy.block_ranks} with {axis}={degrees[axis]}: {why}; drop {axis}= or block=")
     if degrees["context"] > 1 and strategy.options["context_algorithm"] != "ring":
         raise SpecError(f"block with context={degrees['context']} (CSBP) moves the clean keys and values on a ring: "
                         f"use context_algorithm=ring, not {strategy.options['context_algorithm']}")
@@ -84,7 +84,7 @@ def fold(degrees: dict[str, int]) -> dict[str, int]:
 
 def diffusion_axes(strategy) -> tuple[str, ...]:
     """The mesh axes a block diffusion model's noisy blocks are split over (context inner)."""
-    return AXES + (("context",) if strategy.degrees["block"] > 1 else ())
+    return AXES + (("context",) if strategy.block_ranks > 1 else ())
 
 def rules(strategy, compute: dict, stored: dict):
     compute["length"] = compute["length"] + AXES
@@ -95,11 +95,11 @@ def traffic(strategy, ctx) -> dict:
     """The gradient all-reduce's bytes that ``block`` adds to the data axes' (and context's), and
     under ``clean_kv=fetch`` the fetch's all-to-all (the ring's are context's)."""
     p, ring, model = ctx.mesh["block"], ctx.mesh["context"], ctx.model
-    if p == 1:
+    if not ctx.layout.block_axes:  # (under CSBP with P = C the block axis is 1: only the fetch below)
         return {}
     shard = ctx.psi / ctx.grad_shards * ctx.reduce_bytes
     n = ctx.mesh["data"] * ring * ctx.mesh["context_a2a"]
-    out = {("all-reduce", "block"): data.grad_allreduce_bytes(shard, n * p) - data.grad_allreduce_bytes(shard, n)}
+    out = {("all-reduce", "block"): data.grad_allreduce_bytes(shard, n * p) - data.grad_allreduce_bytes(shard, n)} if p > 1 else {}
     if ctx.layout.diffusion_fetch and model is not None:
         length = ctx.length // 2  # tokens per half of [x_t ; x_0]
         reads = block_diffusion_mask(length, model.block_size, model.window).blocks.allowed.clean_reads

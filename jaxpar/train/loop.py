@@ -151,9 +151,12 @@ def check_model_axes(strategy: Strategy, model: str):
 
 
 def check_block_degree(strategy: Strategy, cfg, seq_len: int):
-    """Refuse a block parallelism degree the run's diffusion blocks cannot be split by."""
-    if strategy.degrees["block"] > 1:
-        block_parallel.check_degree(seq_len // cfg.block_size, strategy.degrees["block"])
+    """Refuse, before anything is placed on a device, block parallelism the run's diffusion blocks
+    cannot be split by: P devices own them in pairs (``Strategy.block_ranks``: the mesh's ``block``
+    axis is P / C under CSBP). 2P blocks also split the clean half over the C ring ranks and let
+    ``clean_kv=fetch`` deal them, C dividing P."""
+    if strategy.block_ranks > 1:
+        block_parallel.check_degree(seq_len // cfg.block_size, strategy.block_ranks)
 
 
 def _check_unused_options(run: RunConfig, strategy: Strategy):
