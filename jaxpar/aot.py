@@ -180,7 +180,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
             "zero_table": memory.zero_table(trainer, strategy),
         },
         "collectives": by_link,
-        "float32_gradient_reduction": _float32_gradient_bytes(cols, layout) if train_cfg.grad_reduce_dtype == "float32" else None,
+        "float32_gradient_reduction": _float32_gradient_cost(cols, trainer) if train_cfg.grad_reduce_dtype == "float32" else None,
         "compiler_cost_analysis": {k: cost.get(k) for k in ("flops", "bytes accessed", "optimal_seconds")},
         "model_flops_per_step": model_flops,
         "roofline": estimate.as_dict(),
@@ -188,13 +188,18 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     }
 
 
-def _float32_gradient_bytes(cols, layout) -> dict:
+def _float32_gradient_cost(cols, trainer) -> dict:
     """What jaxpar's default, gradients reduced in float32, costs: the bytes per chip of the float32
-    reductions over the axes the loss is summed over (bf16 would send half of them)."""
+    reductions over the axes the loss is summed over (bf16 would send half of them), and, where the
+    layers compute in bf16 and gather their weights, the float32 stack of every layer's gradient the
+    backward pass ends with (reduced in bf16 it is stacked in bf16: ``rules._narrow_stack``)."""
+    layout = trainer.layout
     summed = set(layout.loss_axes)
     sent = sum(c.bytes_per_step for c in cols
                if c.kind in ("reduce-scatter", "all-reduce") and c.dtype == "f32" and c.mesh_axes and set(c.mesh_axes) <= summed)
-    return {"bytes_per_chip": sent, "bfloat16_saves": sent / 2}
+    narrower = trainer.cfg.compute_dtype != "float32"
+    return {"bytes_per_chip": sent, "bfloat16_saves": sent / 2,
+            "bfloat16_saves_memory": trainer.sharded_state.gathered_layer_bytes(2, stored=True) if narrower else 0}
 
 
 def _estimate(trainer, strategy, model_cfg, batch_size: int, seq_len: int, rows, topology: Topology) -> roofline.StepEstimate:
@@ -266,8 +271,10 @@ def format_report(report: dict) -> str:
         lines.append(f"  {name:44s} x{row['count']:<6d} {gib(row['bytes_per_chip'])}")
     if report["float32_gradient_reduction"]:
         f32 = report["float32_gradient_reduction"]
+        memory_saved = (f" and hold {gib(f32['bfloat16_saves_memory']).strip()} less at the end of the backward pass (the layers' "
+                        f"gradients stacked in bf16)") if f32["bfloat16_saves_memory"] else ""
         lines.append(f"  gradients are reduced in float32 (the default: never silently bf16): {gib(f32['bytes_per_chip']).strip()}; "
-                     f"--grad-reduce-dtype bfloat16 would send {gib(f32['bfloat16_saves']).strip()} less")
+                     f"--grad-reduce-dtype bfloat16 would send {gib(f32['bfloat16_saves']).strip()} less{memory_saved}")
     cost = report["compiler_cost_analysis"]
     lines += [
         "",

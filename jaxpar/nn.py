@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.errors import LayoutError
-from jaxpar.rules import _ACTIVE, Layout, Names, _called, varying_axes
+from jaxpar.rules import _ACTIVE, Layout, Names, _called, stored_table, varying_axes
 
 
 def _check_rank(x, names):
@@ -168,14 +168,41 @@ def sum_over(x, names: Names, dims: Sequence[int], op: str = "sum"):
 
 
 def embed_lookup(table, tokens, out_names: Names, table_names: Names = ("vocab", "embed")):
-    """Rows of ``table`` for ``tokens``; with the vocabulary sharded each device looks up the ids in
-    its own range and the partial results are summed (Megatron's vocab-parallel embedding)."""
+    """Rows of ``table`` (an nnx Variable, or its value) for ``tokens``.
+
+    With the vocabulary sharded each device looks up the ids in its own range and the partial
+    results are summed (Megatron's vocab-parallel embedding). Given the Variable inside jaxpar's
+    step where the stored table splits its ``embed`` dim (FSDP), the table is never gathered: each
+    device looks up the ids of every device it is split with in its own columns, and one all-to-all
+    hands each its own tokens' whole rows (the gradient comes back the same way and is summed into
+    the stored shard, so no reduce-scatter of a gradient the table's size, nor a gathered table,
+    is ever held)."""
+    layout = _manual_layout("embed_lookup")
+    stored = stored_table(table) if layout is not None else None
+    if stored is None:
+        return _lookup(table[...] if hasattr(table, "get_raw_value") else table, tokens, out_names, table_names)
+    shard, axes = stored
+    missing = tuple(a for a in axes if a not in varying_axes(tokens))
+    ids = jax.lax.pcast(tokens, missing, to="varying") if missing else tokens
+    ids = jax.lax.all_gather(ids, axes, axis=0, tiled=True)
+    # rows in the stored dtype, cast after the lookup: the scatter-add that is its backward sums
+    # the group's gradients in float32 (only single tokens' rows travel in the compute dtype)
+    rows = _rows(shard, ids, table_names).astype(_ACTIVE.get().compute_dtype)
+    rows = jax.lax.all_to_all(rows, axes, 0, rows.ndim - 1, tiled=True)
+    return reduce_partial(rows, (table_names[0],), out_names)
+
+
+def _rows(table, tokens, table_names: Names):
+    """This device's rows of ``table`` for ``tokens``, zero for ids outside its vocabulary range."""
     offset = shard_offset(table_names, 0, table.shape[0])
     local = tokens - offset
     inside = (local >= 0) & (local < table.shape[0])
     rows = jnp.take(table, jnp.clip(local, 0, table.shape[0] - 1), axis=0)
-    rows = jnp.where(inside[..., None], rows, jnp.zeros((), rows.dtype))
-    return reduce_partial(rows, (table_names[0],), out_names)
+    return jnp.where(inside[..., None], rows, jnp.zeros((), rows.dtype))
+
+
+def _lookup(table, tokens, out_names: Names, table_names: Names):
+    return reduce_partial(_rows(table, tokens, table_names), (table_names[0],), out_names)
 
 
 def cross_entropy(logits, targets, names: Names = ("batch", "length", "vocab"), weights=None):

@@ -50,6 +50,9 @@ LOGICAL_AXES = {
     "layers": "stacked layers (scanned)",
 }
 
+# a top-level weight whose first logical axis is this is a lookup table: the model reads rows of it
+# by token id, which ``jaxpar.nn.embed_lookup`` does at the stored shard, with no gather
+LOOKUP_AXIS = "vocab"
 GATHERED = "gathered_params"  # checkpoint name of weights gathered for compute (FSDP policies use it)
 
 
@@ -358,6 +361,23 @@ def _gather_value(value, names):
     return _gather_weight(value, names, active.layout, active.compute_dtype, active.grad_reduce_dtype)
 
 
+def _read_table(var, value):
+    return _gather_value(value, _compute_names(var, value))
+
+
+def stored_table(table):
+    """``(stored shard, mesh axes)`` of a lookup table (an nnx Variable) inside jaxpar's manual
+    step where its stored layout splits only its ``embed`` dim, over those mesh axes; None where
+    the table is to be read whole (one device, XLA's partitioner, an array, no such split)."""
+    if getattr(table, "get_metadata", None) is None or table.get_metadata().get("on_get_value") is not _read_table:
+        return None
+    value = table.get_raw_value()
+    plan = gather_plan(_compute_names(table, value), _ACTIVE.get().layout)
+    if [dim for dim, _ in plan] != [value.ndim - 1]:
+        return None
+    return value, plan[0][1]
+
+
 def gather_layers_when_read(state):
     """The framework's per-layer gathers: every read of one layer's slice of a stacked weight
     (logical axis ``layers``) in ``state`` returns it gathered into its compute layout, so a
@@ -365,11 +385,27 @@ def gather_layers_when_read(state):
     call of the model's. (Under a compressed sync each weight's reduction is then its own bucket.)"""
     from flax import nnx
 
+    active = _ACTIVE.get()
     for _, var in nnx.to_flat_state(state):
         names = logical_names(var) or ()
         if "layers" in names and len(names) == var.get_value().ndim:
+            if _narrow_stack(var.get_raw_value(), names, active):
+                # the whole stack cast once, before the loop: each layer's gradient then comes back
+                # in the reduction dtype (what its reduce-scatter made) and the loop stacks it so,
+                # not in float32, which would double what the end of the backward pass holds
+                var.set_raw_value(var.get_raw_value().astype(active.compute_dtype))
             # the names are taken now: inside nnx.scan the slice's own metadata has lost "layers"
             var.set_metadata("on_get_value", functools.partial(_read_layer, names=names))
+
+
+def _narrow_stack(value, names, active) -> bool:
+    """Whether a stacked weight may be cast to the compute dtype before the layer loop: inside the
+    manual step, gathered per layer, with gradients reduced in that same narrower dtype (so the
+    cast's backward widens only what was reduced in it already; a compressed sync keeps its own)."""
+    return (active is not None and active.manual and active.grad_sync is None
+            and active.grad_reduce_dtype == active.compute_dtype
+            and jnp.issubdtype(value.dtype, jnp.floating) and active.compute_dtype.itemsize < value.dtype.itemsize
+            and bool(gather_plan(tuple(n for n in names if n != "layers"), active.layout)))
 
 
 def _read_layer(var, value, names):
@@ -385,21 +421,28 @@ def gather_params(state):
     (logical axis ``layers`` still present) are left alone: a model gathers them one layer at a
     time inside its layer scan, by calling this on the layer's slice. Under a compressed gradient
     sync, the weights whose gradients it reduce-scatters compressed are gathered together, so that
-    the backward pass reduces them in one bucket.
+    the backward pass reduces them in one bucket. Lookup tables (first logical axis ``vocab``) are
+    gathered only when read: ``jaxpar.nn.embed_lookup`` reads rows of their stored shards.
     """
     from flax import nnx
 
     _called("gather_params")
+    active = _ACTIVE.get()
 
     def stacked(var):
         names = logical_names(var) or ()
         return "layers" in names and len(names) == var.get_value().ndim  # gathered per layer in the scan
 
     def gather_one(var):
-        return var if stacked(var) else var.replace(value=gathered(var))
+        if stacked(var):
+            return var
+        if active is not None and active.manual and (logical_names(var) or (None,))[0] == LOOKUP_AXIS:
+            # a table the model reads rows of by id: ``jaxpar.nn.embed_lookup`` reads its stored
+            # shard with no gather; any other read of it gathers it then (a tied output layer)
+            return var.replace(on_get_value=_read_table)
+        return var.replace(value=gathered(var))
 
     is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
-    active = _ACTIVE.get()
     if active is None or not active.manual or active.grad_sync is None:
         return jax.tree.map(gather_one, state, is_leaf=is_var)
     leaves, treedef = jax.tree.flatten(state, is_leaf=is_var)

@@ -27,14 +27,15 @@ def compiled(strategy_text, cfg=TrainConfig(), model_cfg=TINY):
 COMMUNICATION = {
     # strategy: the collective kinds it must use (anything else is a failure)
     "data=8": {"all-reduce"},
-    "fsdp=8": {"all-gather", "reduce-scatter"},
-    "fsdp=8,regather=on": {"all-gather", "reduce-scatter"},
+    # ZeRO-3: the embedding table is never gathered, its looked-up rows travel (all-to-all)
+    "fsdp=8": {"all-gather", "reduce-scatter", "all-to-all"},
+    "fsdp=8,regather=on": {"all-gather", "reduce-scatter", "all-to-all"},
     "fsdp=8,zero=1": {"all-gather", "reduce-scatter"},
     "fsdp=8,zero=2": {"all-gather", "reduce-scatter"},
-    "data=2,fsdp=4": {"all-gather", "reduce-scatter", "all-reduce"},
+    "data=2,fsdp=4": {"all-gather", "reduce-scatter", "all-reduce", "all-to-all"},
     "data=2,tensor=4": {"all-reduce"},
     "data=2,tensor=4,sp=on": {"all-gather", "reduce-scatter", "all-reduce"},
-    "data=2,fsdp=2,tensor=2": {"all-gather", "reduce-scatter", "all-reduce"},
+    "data=2,fsdp=2,tensor=2": {"all-gather", "reduce-scatter", "all-reduce", "all-to-all"},
     "tensor=8": {"all-reduce"},  # 4 key/value heads kept whole: their gradients all-reduced too
 }
 
@@ -54,19 +55,29 @@ def test_collective_bytes_match_the_analytic_optimum(strategy_text):
     assert report["scalar all-reduce"]["measured_bytes"] < 64
 
 
+def fsdp_table_traffic(n, batch_shards=8):
+    """Bytes per device over fsdp=n for the embedding table (float32 on CPU): the group's token ids
+    gathered (int32), the looked-up rows and their gradients in one all-to-all each way."""
+    tokens = BATCH // batch_shards * SEQ
+    return {"all-gather": tokens * n * 4 * (n - 1) / n, "all-to-all": 2 * tokens * TINY.embed * 4 * (n - 1) / n}
+
+
 @pytest.mark.slow
 def test_fsdp_traffic_is_2_or_3_parameter_passes():
-    # independent of the model's structure: Psi_b = weights x 4 bytes, N = 8
-    psi_bytes = TINY.num_params() * 4
+    # independent of the model's structure: Psi_b = weights x 4 bytes but the embedding table's
+    # (its rows travel instead), N = 8
+    table = fsdp_table_traffic(8)
+    psi_bytes = (TINY.num_params() - TINY.vocab_size * TINY.embed) * 4
     _, trainer, keep = compiled("fsdp=8")
     sent = traffic.hlo.summarize(traffic.hlo.collectives(keep.as_text(), trainer.layout.mesh))
     two = sent["all-gather"]["bytes_per_device"] + sent["reduce-scatter"]["bytes_per_device"]
-    assert two == pytest.approx(2 * psi_bytes * 7 / 8, rel=0.02)
+    assert two == pytest.approx(2 * psi_bytes * 7 / 8 + table["all-gather"], rel=0.02)
+    assert sent["all-to-all"]["bytes_per_device"] == pytest.approx(table["all-to-all"], rel=0.02)
     _, trainer, again = compiled("fsdp=8,regather=on")
     sent = traffic.hlo.summarize(traffic.hlo.collectives(again.as_text(), trainer.layout.mesh))
     layers_bytes = (TINY.num_params() - 2 * TINY.vocab_size * TINY.embed - TINY.embed) * 4  # gathered twice
     three = sent["all-gather"]["bytes_per_device"] + sent["reduce-scatter"]["bytes_per_device"]
-    assert three == pytest.approx((2 * psi_bytes + layers_bytes) * 7 / 8, rel=0.02)
+    assert three == pytest.approx((2 * psi_bytes + layers_bytes) * 7 / 8 + table["all-gather"], rel=0.02)
 
 
 def test_bf16_compute_gathers_in_bf16_and_reduces_in_fp32():
@@ -75,11 +86,13 @@ def test_bf16_compute_gathers_in_bf16_and_reduces_in_fp32():
     trainer = Trainer(build_layout(strategy), lambda r: llama.Llama(TINY, rngs=r), llama.loss_fn, cfg)
     batch = trainer.abstract_batch(BATCH, SEQ)
     lowered = trainer.jit_step(batch).lower(trainer.abstract_state(), batch)
-    # the program jaxpar emits: weights gathered in bf16, gradients reduced in f32
+    # the program jaxpar emits: weights gathered in bf16, gradients reduced in f32 (the token ids
+    # the embedding looks up are gathered as int32, and its rows travel in bf16)
     text = lowered.as_text()
     gathers = set(re.findall(r'"stablehlo.all_gather".*-> tensor<[0-9x]*x(\w+)>', text))
     scatters = set(re.findall(r'"stablehlo.reduce_scatter".*\n(?:.*\n)*?.*-> tensor<[0-9x]*x(\w+)>', text))
-    assert gathers == {"bf16"} and scatters == {"f32"}
+    rows = set(re.findall(r'"stablehlo.all_to_all".*-> tensor<[0-9x]*x(\w+)>', text))
+    assert gathers == {"bf16", "i32"} and scatters == {"f32"} and rows == {"bf16"}
     # XLA's CPU backend widens bf16 collectives to f32; the optimum for a CPU compile says so
     step = lowered.compile()
     report = traffic.compare(step.as_text(), trainer, strategy, (BATCH, SEQ), TINY)
@@ -147,7 +160,9 @@ def test_hierarchical_zero_gathers_inside_groups_and_splits_the_rest_over_all():
     cols = [c for c in hlo.collectives(step.as_text(), trainer.layout.mesh) if c.operand_bytes > traffic.SCALAR_BYTES]
     by_axes = {key: row["bytes_per_device"] for key, row in hlo.by_axes(cols).items()}
     shard = psi / 4 * (1 / 2) * 4
-    formula = {("all-gather", ("fsdp",)): k * psi * 3 / 4 * 4, ("reduce-scatter", ("fsdp",)): k * psi * 3 / 4 * 4,
+    gathered, table = psi - TINY.vocab_size * TINY.embed, fsdp_table_traffic(4)  # the table's rows travel instead
+    formula = {("all-gather", ("fsdp",)): k * gathered * 3 / 4 * 4 + table["all-gather"],
+               ("reduce-scatter", ("fsdp",)): k * gathered * 3 / 4 * 4, ("all-to-all", ("fsdp",)): table["all-to-all"],
                ("reduce-scatter", ("fsdp_group",)): k * shard, ("all-gather", ("fsdp_group",)): shard}
     assert set(by_axes) == set(formula), by_axes
     for key, value in formula.items():

@@ -83,7 +83,9 @@ ITEMSIZE = {"f32": 4, "bf16": 2}
 @pytest.mark.parametrize("regather", [False, True])
 def test_fsdp_traffic_on_a_pod_compile_is_2_or_3_weight_passes(regather):
     # Counted in elements, so each collective is weighed at the dtype XLA:TPU compiled it in (it
-    # gathers in bf16 weights that feed bf16 matmuls). Psi = all weights; N = 8 chips.
+    # gathers in bf16 weights that feed bf16 matmuls). Psi = all weights but the embedding table,
+    # which is never gathered: its looked-up rows travel (an all-to-all each way) after a gather
+    # of the group's token ids; N = 8 chips.
     pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
     from jaxpar.analysis import hlo
 
@@ -93,17 +95,22 @@ def test_fsdp_traffic_on_a_pod_compile_is_2_or_3_weight_passes(regather):
     layout = build_layout(strategy, aot.tpu_devices(topology))
     trainer = Trainer(layout, lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, TrainConfig())
 
-    batch = trainer.abstract_batch(16, 128)
-    text = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile().as_text()
+    batch, length = 16, 128
+    text = trainer.jit_step(trainer.abstract_batch(batch, length)).lower(
+        trainer.abstract_state(), trainer.abstract_batch(batch, length)).compile().as_text()
     cols = hlo.collectives(text, layout.mesh)
-    elements = {kind: sum(c.bytes_per_step / ITEMSIZE[c.dtype] for c in cols if c.kind == kind) for kind in ("all-gather", "reduce-scatter")}
-    psi = cfg.num_params()
-    layers_psi = psi - 2 * cfg.vocab_size * cfg.embed - cfg.embed  # the weights gathered again
-    share = 7 / 8
-    assert elements["reduce-scatter"] == pytest.approx(psi * share, rel=0.02)
-    assert elements["all-gather"] == pytest.approx((psi + (layers_psi if regather else 0)) * share, rel=0.02)
+    kinds = ("all-gather", "reduce-scatter", "all-to-all")
+    floats = {kind: sum(c.bytes_per_step / ITEMSIZE[c.dtype] for c in cols if c.kind == kind and c.dtype != "s32") for kind in kinds}
+    psi = cfg.num_params() - cfg.vocab_size * cfg.embed
+    layers_psi = psi - cfg.vocab_size * cfg.embed - cfg.embed  # the weights gathered again
+    share, tokens = 7 / 8, batch // 8 * length
+    assert floats["reduce-scatter"] == pytest.approx(psi * share, rel=0.02)
+    assert floats["all-gather"] == pytest.approx((psi + (layers_psi if regather else 0)) * share, rel=0.02)
+    assert floats["all-to-all"] == pytest.approx(2 * tokens * cfg.embed * share, rel=0.02)
+    ids = sum(c.bytes_per_step for c in cols if c.dtype == "s32")
+    assert ids == pytest.approx(tokens * 8 * 4 * share, rel=0.02)
     # nothing else moves but a few scalars
-    assert sum(c.bytes_per_step for c in cols if c.kind not in elements) < 64
+    assert sum(c.bytes_per_step for c in cols if c.kind not in kinds) < 64
 
 
 def test_unknown_topology_names_the_culprit(capsys):
@@ -179,7 +186,7 @@ def test_pod_plans_example_plans_for_its_pod():
     pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
     out = run_example("pod_plans.py", "llama2-7b/v5p-64", "--model", "tiny", "--seq-len", "128")
     assert "==> llama2-7b/v5p-64: fsdp=32 (keep), peak" in out
-    assert "MaxText: peak 5.129 GB" in out
+    assert "MaxText: peak 6.452 GB" in out
 
 
 def test_gpu_topology_compiles_on_simulated_cpus_with_trains_options_and_dumps_the_program(tmp_path, capsys):
@@ -220,3 +227,8 @@ def test_bf16_gradient_reduction_halves_the_reduce_scatter_on_a_pod(pod_reports)
     assert bfloat16["float32_gradient_reduction"] is None
     saved = sum(r["bytes_per_chip"] for r in float32["collectives"].values()) - sum(r["bytes_per_chip"] for r in bfloat16["collectives"].values())
     assert float32["float32_gradient_reduction"]["bfloat16_saves"] == pytest.approx(saved, rel=0.03)
+    # and the memory: reduced in bf16, the layers' gradients are stacked in bf16 (the stored shards
+    # of the stacked weights, 2 bytes each, less than in float32)
+    cfg = llama.CONFIGS["tiny"]
+    layer_weights = cfg.num_params() - 2 * cfg.vocab_size * cfg.embed - cfg.embed
+    assert float32["float32_gradient_reduction"]["bfloat16_saves_memory"] == layer_weights / 4 * 2

@@ -19,6 +19,7 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxpar import rules
 from jaxpar.errors import LayoutError
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
@@ -231,3 +232,23 @@ def test_bf16_compute_stays_close_to_fp32(tokens, llama_oracle):
     cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")
     losses, _, _ = sharded("fsdp=4,tensor=2", llama_model, llama.loss_fn, batches(tokens), cfg)
     np.testing.assert_allclose(losses, llama_oracle[0], rtol=1e-2)
+
+
+def test_bf16_reduction_casts_the_layer_stacks_once_and_changes_no_number(tokens, monkeypatch):
+    # Compute and gradient reduction both in bf16: the stacked layer weights are cast once before
+    # the layer loop (rules._narrow_stack), so the backward loop stacks each layer's gradient in
+    # bf16, as its reduce-scatter made it, instead of in float32. The oracle is the same step with
+    # each layer cast inside the loop: bitwise the same numbers, in less memory.
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", grad_reduce_dtype="bfloat16")
+
+    def run():
+        trainer = Trainer(build_layout(parse_strategy("fsdp=8", 8)), llama_model, llama.loss_fn, cfg, optimizer=OPTIMIZER)
+        batch = trainer.abstract_batch(BATCH, SEQ)
+        temps = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile().memory_analysis().temp_size_in_bytes
+        return sharded(trainer, llama_model, llama.loss_fn, batches(tokens)[:2]), temps
+
+    narrowed, narrowed_temps = run()
+    monkeypatch.setattr(rules, "_narrow_stack", lambda *args: False)
+    per_layer, per_layer_temps = run()
+    jax.tree.map(np.testing.assert_array_equal, narrowed, per_layer)
+    assert narrowed_temps < per_layer_temps

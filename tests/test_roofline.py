@@ -53,15 +53,18 @@ def test_collective_time_follows_the_cost_model():
 
 def test_dp_and_fsdp_traffic_is_priced_as_their_formulas():
     # same model, same chips: DP all-reduces 2 Psi; FSDP with regather moves Psi + Psi_layers in
-    # gathers and Psi in reduce-scatters. The FLOPs are the same; the communication differs by the
-    # ratio of those bytes (all over ICI at the same bandwidth), the optimizer update by the ways
-    # FSDP splits the state.
+    # gathers and Psi in reduce-scatters, but for the embedding table (V x E), whose looked-up rows
+    # travel instead (an all-to-all each way of 128 tokens per device x E, priced at a quarter of a
+    # ring's time per byte) after a gather of the group's 8 x 128 token ids (4 bytes, as the float32
+    # weights). The FLOPs are the same; the communication differs by the ratio of those bytes (all
+    # over ICI at the same bandwidth), the optimizer update by the ways FSDP splits the state.
     topology, cfg = load_topology("cpu-8"), llama.CONFIGS["tiny"]
     dp, fsdp = (plan(cfg, text, 16, 64, topology, remat="none", compute_dtype="float32") for text in ("data=8", "fsdp=8,regather=on"))
-    psi = cfg.num_params()
-    layers_psi = psi - 2 * cfg.vocab_size * cfg.embed - cfg.embed
+    psi, table, tokens = cfg.num_params(), cfg.vocab_size * cfg.embed, 16 // 8 * 64
+    layers_psi = psi - 2 * table - cfg.embed
+    fsdp_elements = 2 * (psi - table) + layers_psi + 8 * tokens + 2 * tokens * cfg.embed / 4
     assert (fsdp.matmul_s, fsdp.attention_s) == (dp.matmul_s, dp.attention_s)
-    assert fsdp.comm_s / dp.comm_s == pytest.approx((2 * psi + layers_psi) / (2 * psi), rel=1e-9)
+    assert fsdp.comm_s / dp.comm_s == pytest.approx(fsdp_elements / (2 * psi), rel=1e-9)
     assert fsdp.hbm_by_part_s["optimizer"] == pytest.approx(dp.hbm_by_part_s["optimizer"] / 8)
 
 

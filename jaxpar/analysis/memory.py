@@ -21,6 +21,7 @@ import math
 import jax
 
 from jaxpar.parallel import STRATEGIES
+from jaxpar.rules import LOOKUP_AXIS, gather_plan
 
 BYTES_PER_PARAM = {"parameters": 4, "gradient_accumulation": 4, "optimizer": 8}
 
@@ -39,6 +40,27 @@ def tensor_local_params(trainer, only_layers: bool = False) -> float:
             ways *= math.prod(layout.mesh.shape[a] for a in layout.axes_of("layers", "param"))
         total += numel / ways
     return total
+
+
+def stored_tables(trainer) -> tuple[float, int, int]:
+    """(weights per device after tensor parallelism, summed row width, count) of the lookup tables that
+    ``jaxpar.nn.embed_lookup`` reads at their stored shards inside the manual step (``rules.stored_table``:
+    first logical axis ``vocab``, only the last dim split in storage): never gathered, their rows
+    travel instead. None under a pipeline, whose stages read the tables whole."""
+    layout, psi, width, count = trainer.layout, 0.0, 0, 0
+    if trainer.schedule is not None:
+        return psi, width, count
+    for path, names in trainer.names.items():
+        if not names or names[0] != LOOKUP_AXIS:
+            continue
+        shape = trainer.abstract_leaf(path).shape
+        if [dim for dim, _ in gather_plan(names, layout)] != [len(shape) - 1]:
+            continue
+        compute_ways = lambda name: math.prod(layout.mesh.shape[a] for a in layout.axes_of(name, "compute") if a not in layout.batch_axes)  # noqa: E731
+        psi += math.prod(shape) / math.prod(compute_ways(n) for n in names)
+        width += shape[-1] // compute_ways(names[-1])
+        count += 1
+    return psi, width, count
 
 
 def replicated_params(trainer) -> float:

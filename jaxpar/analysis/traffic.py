@@ -14,7 +14,7 @@ import math
 import jax.numpy as jnp
 
 from jaxpar.analysis import hlo
-from jaxpar.analysis.memory import replicated_params, tensor_local_params
+from jaxpar.analysis.memory import replicated_params, stored_tables, tensor_local_params
 from jaxpar.parallel import STRATEGIES
 
 # Scalar reductions (the loss, the gradient norm for clipping) are not part of any formula.
@@ -28,6 +28,9 @@ class TrafficContext:
     layout: object
     mesh: dict  # mesh axis -> degree
     psi: float  # weights one device holds after tensor parallelism and the pipeline divide them
+    table_psi: float  # of which lookup tables read at their stored shards (never gathered: their rows travel)
+    table_width: int  # the row width of those tables, summed
+    tables: int  # how many (each gathers the token ids of its group once per micro-batch)
     layer_psi: float  # of which stacked layer weights
     replicated_psi: float  # weights kept whole over tensor (GQA key/value heads), gathered size
     regathered: float  # weights gathered a second time for the backward pass (regather, a pipeline's recompute)
@@ -52,10 +55,12 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
     if layout.mesh.devices.flat[0].platform == "cpu":
         cb, rb = max(cb, 4), max(rb, 4)  # XLA:CPU runs bf16 collectives in f32 (GPU and TPU do not)
     layer_psi = tensor_local_params(trainer, only_layers=True)
+    table_psi, table_width, tables = stored_tables(trainer)
     regather = trainer.regather or trainer.schedule is not None
     ways = lambda mapping: math.prod(layout.mesh.shape[a] for a in layout.axes_of("embed", mapping) if a in layout.batch_axes)  # noqa: E731
     return TrafficContext(
         layout=layout, mesh=dict(layout.mesh.shape), psi=tensor_local_params(trainer), layer_psi=layer_psi,
+        table_psi=table_psi, table_width=table_width, tables=tables,
         replicated_psi=replicated_params(trainer), regathered=layer_psi if regather else 0.0,
         stored_shards=ways("param"), grad_shards=ways("optimizer"), compute_bytes=cb, reduce_bytes=rb, stored_bytes=4,
         microbatches=cfg.microbatches, batch_shards=layout.batch_shards, batch=batch_shape[0], length=batch_shape[1],

@@ -108,7 +108,7 @@ class Llama(nnx.Module):
     def network(self, tokens, positions, mask):
         """Logits of the network under any attention ``mask`` (models on the Llama's weights
         choose their own: the block diffusion model's three-part mask)."""
-        x = embed_lookup(self.embedding[...], tokens, RESIDUAL)
+        x = embed_lookup(self.embedding, tokens, RESIDUAL)
         x = _layers(x, nnx.state(self.layers), self.cfg, positions, mask)
         return _logits(x, self._head(), self.cfg)
 
@@ -121,13 +121,17 @@ class Llama(nnx.Module):
         after RoPE, as this returns them for its own tokens (layers, batch, n, kv_heads,
         head_dim), so that a caller can append them to its cache. The same layers as ``network``
         (``_block``), the tokens' keys and values placed after the cached ones."""
-        x = embed_lookup(self.embedding[...], tokens, RESIDUAL)
+        x = embed_lookup(self.embedding, tokens, RESIDUAL)
         x, new_kv = _layers_cached(x, nnx.state(self.layers), self.cfg, positions, cache, cache_valid)
         return _logits(x, self._head(), self.cfg), new_kv
 
     def _head(self):
-        head = {"final_norm": self.final_norm[...], "embedding": self.embedding[...]}
-        if not self.cfg.tie_embeddings:
+        # the embedding is read only where it is the output layer too: inside jaxpar's step a read
+        # gathers it
+        head = {"final_norm": self.final_norm[...]}
+        if self.cfg.tie_embeddings:
+            head["embedding"] = self.embedding[...]
+        else:
             head["unembedding"] = self.unembedding[...]
         return head
 

@@ -14,7 +14,10 @@ ZeRO-3 gathers each weight just before use and reduce-scatters its gradient (the
 gather); ZeRO-1/2 reduce-scatter the gradients and all-gather the updated weights after the
 optimizer step. Either way 2*Psi_b*(N-1)/N bytes per device per step, or 3*Psi_b*(N-1)/N under
 ZeRO-3 when the weights are gathered again for the backward pass (``regather=on``, also what a
-pipeline's recompute does).
+pipeline's recompute does). Under ZeRO-3 a lookup table (the token embedding) is the exception: it
+is never gathered; each device looks up its group's tokens in its own columns and an all-to-all
+of the rows (and of their gradients) replaces the table's gather and reduce-scatter
+(``jaxpar.nn.embed_lookup``): 2 x tokens x width x (N-1)/N per device, far less than the table.
 
 ``regather=auto`` (the default) chooses per layer stack from the analytic memory, before compiling
 (``choose_regather``): keeping every layer's gathered weights for the backward pass saves one pass
@@ -25,6 +28,7 @@ from jaxpar.errors import SpecError, size_text
 from jaxpar.mesh import parse_flag
 
 AXES = ("fsdp",)
+ID_BYTES = 4  # token ids are int32
 CROSSES_DCN = False
 SHARDED_LOGICAL_AXIS = "embed"
 STAGES = (1, 2, 3)
@@ -108,8 +112,14 @@ def traffic(strategy, ctx) -> dict:
         return {}
     share = (n - 1) / n
     if strategy.options["zero"] == 3:
-        gathered = k * (ctx.psi + ctx.regathered) * share * ctx.compute_bytes
-        return {("all-gather", "fsdp"): gathered, ("reduce-scatter", "fsdp"): k * ctx.psi * share * ctx.reduce_bytes}
+        # lookup tables are read at their shards (``nn.embed_lookup``): instead of a gather and a
+        # reduce-scatter of the table, a gather of the group's token ids and an all-to-all of the
+        # looked-up rows each way
+        psi, tokens = ctx.psi - ctx.table_psi, ctx.batch // (ctx.batch_shards * k) * ctx.held_length
+        rows, ids = tokens * ctx.table_width, ctx.tables * tokens * n * ID_BYTES
+        return {("all-gather", "fsdp"): k * ((psi + ctx.regathered) * ctx.compute_bytes + ids) * share,
+                ("reduce-scatter", "fsdp"): k * psi * share * ctx.reduce_bytes,
+                ("all-to-all", "fsdp"): 2 * k * rows * share * ctx.compute_bytes}
     reduce_scatters = k if strategy.options["zero"] == 2 else 1
     return {("reduce-scatter", "fsdp"): reduce_scatters * ctx.psi * share * ctx.reduce_bytes,
             ("all-gather", "fsdp"): ctx.psi * share * ctx.stored_bytes}

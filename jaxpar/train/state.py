@@ -188,21 +188,22 @@ class ShardedState:
 
         return {"parameters": total(state.params), "optimizer": total(state.opt_state)}
 
-    def gathered_layer_bytes(self, itemsize: int) -> int:
+    def gathered_layer_bytes(self, itemsize: int, stored: bool = False) -> int:
         """Bytes per device of the stacked layer weights the layout gathers for compute (stored
         split more than computed), all layers at once, at ``itemsize`` bytes each: what keeping
-        them for the backward pass holds. 0 when nothing stacked is gathered."""
+        them for the backward pass holds (``stored``: their stored shards, what a stack of their
+        gradients holds). 0 when nothing stacked is gathered."""
         total = 0
         for path, names in self.names.items():
             if "layers" not in names:
                 continue
             whole = lambda spec: tuple(spec) + (None,) * (len(names) - len(spec))  # noqa: E731
-            stored, computed = whole(self._spec(path, "param")), whole(self._spec(path, "compute"))
+            stored_spec, computed = whole(self._spec(path, "param")), whole(self._spec(path, "compute"))
             layers = names.index("layers")
-            if all(stored[d] == computed[d] for d in range(len(names)) if d != layers):
+            if all(stored_spec[d] == computed[d] for d in range(len(names)) if d != layers):
                 continue  # not gathered (a pipeline's stage split of the layers is no gather)
             # the stage's own layers, each laid out as computed
-            spec = PartitionSpec(*(stored[d] if d == layers else computed[d] for d in range(len(names))))
+            spec = PartitionSpec(*(stored_spec[d] if d == layers or stored else computed[d] for d in range(len(names))))
             total += math.prod(NamedSharding(self.layout.mesh, spec).shard_shape(self.abstract_leaf(path).shape)) * itemsize
         return total
 
