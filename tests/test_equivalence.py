@@ -245,7 +245,7 @@ def test_bf16_reduction_casts_the_layer_stacks_once_and_changes_no_number(tokens
         trainer = Trainer(build_layout(parse_strategy("fsdp=8", 8)), llama_model, llama.loss_fn, cfg, optimizer=OPTIMIZER)
         batch = trainer.abstract_batch(BATCH, SEQ)
         temps = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile().memory_analysis().temp_size_in_bytes
-        return sharded(trainer, llama_model, llama.loss_fn, batches(tokens)[:2]), temps
+        return sharded(trainer, llama_model, llama.loss_fn, batches(tokens)[:1]), temps
 
     narrowed, narrowed_temps = run()
     monkeypatch.setattr(rules, "_narrow_stack", lambda *args: False)
