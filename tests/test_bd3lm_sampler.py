@@ -21,6 +21,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.models import bd3lm, llama
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.serve import bd3lm as sampling
+from jaxpar.serve import common
 
 CFG = dataclasses.replace(bd3lm.CONFIGS["bd3lm-tiny"], layers=2)  # the tiny shapes, fewer layers: quicker compiles
 MASK = CFG.mask_id
@@ -79,7 +80,7 @@ def test_given_tokens_stay_and_only_the_masked_ones_are_spread_over_the_steps():
 
 def test_nucleus_sampling_draws_only_from_the_top_p_ids():
     logits = jnp.log(jnp.array([0.05, 0.5, 0.15, 0.3]))
-    draws = lambda top_p, temperature=1.0: np.asarray(sampling._pick(  # noqa: E731
+    draws = lambda top_p, temperature=1.0: np.asarray(common.pick(  # noqa: E731
         jnp.broadcast_to(logits, (4000, 4)), temperature, top_p, jax.random.key(1)))
     assert set(np.unique(draws(0.7))) == {1, 3}  # 0.5 + 0.3 reach 0.7
     assert set(np.unique(draws(0.45))) == {1}  # the most probable alone reaches 0.45

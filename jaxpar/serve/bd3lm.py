@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable
 
 import jax
@@ -63,7 +62,8 @@ from flax import nnx
 from jaxpar.attention import DEFAULT_BLOCK, BlockMask, Mask
 from jaxpar.errors import JaxparError
 from jaxpar.models import bd3lm, model_and_loss, model_config, model_family
-from jaxpar.rules import Layout, logical_names, use_layout
+from jaxpar.rules import Layout, use_layout
+from jaxpar.serve.common import check_pick, compute_sharding, is_int, map_weights, pick
 from jaxpar.train import checkpoint as checkpoint_lib
 from jaxpar.train.state import abstract_model
 
@@ -74,40 +74,15 @@ BYTE_VOCAB = 256  # the main job's tokens are UTF-8 bytes (train/data.py)
 # --- checks ----------------------------------------------------------------------------------------
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def check_sampling(block_size: int, denoise_steps, temperature, top_p) -> None:
     """Refuse sampling settings that cannot work, each with its value and the range it must lie in."""
-    if not _is_int(denoise_steps) or not 1 <= denoise_steps <= block_size:
+    if not is_int(denoise_steps) or not 1 <= denoise_steps <= block_size:
         raise JaxparError(f"denoise_steps={denoise_steps!r} must be an int from 1 to block_size={block_size}: the steps that "
                           f"unmask a block ({block_size} reveals one token a step, 1 the whole block at once)")
-    if not _is_real(temperature) or temperature < 0:
-        raise JaxparError(f"temperature={temperature!r} must be a finite number >= 0 (0: greedy, the most probable id)")
-    if not _is_real(top_p) or not 0 < top_p <= 1:
-        raise JaxparError(f"top_p={top_p!r} must lie in (0, 1] (1: sample from the whole distribution)")
+    check_pick(temperature, top_p)
 
 
 # --- the denoising rule (one block) ----------------------------------------------------------------
-
-
-def _pick(logits, temperature: float, top_p: float, key):
-    """Each position's id: the argmax, or a sample at ``temperature`` from the top-p nucleus."""
-    if temperature == 0:
-        return jnp.argmax(logits, -1).astype(jnp.int32)
-    scaled = logits / temperature
-    if top_p < 1:
-        probs = jax.nn.softmax(scaled, -1)
-        descending = -jnp.sort(-probs, -1)
-        ahead = jnp.cumsum(descending, -1) - descending  # the probability of the ids more probable than each
-        least_kept = jnp.min(jnp.where(ahead < top_p, descending, jnp.inf), -1, keepdims=True)  # the most probable always
-        scaled = jnp.where(probs >= least_kept, scaled, -jnp.inf)
-    return jax.random.categorical(key, scaled, -1).astype(jnp.int32)
 
 
 def denoise(logits_of: Callable, block, steps: int, temperature: float, top_p: float, key, mask_id: int):
@@ -124,7 +99,7 @@ def denoise(logits_of: Callable, block, steps: int, temperature: float, top_p: f
         rank = jnp.argsort(order, axis=1)  # each position's place in that order
         count = masked_at_start * (s + 1) // steps - masked_at_start * s // steps  # revealed at this step, per row
         reveal = masked & (rank < count[:, None])
-        return jnp.where(reveal, _pick(logits, temperature, top_p, jax.random.fold_in(key, s)), tokens)
+        return jnp.where(reveal, pick(logits, temperature, top_p, jax.random.fold_in(key, s)), tokens)
 
     return jax.lax.fori_loop(0, steps, step, jnp.asarray(block, jnp.int32))
 
@@ -159,20 +134,6 @@ def recompute_inputs(prefix_blocks: int, block_size: int, rows: int):
 # --- the sampler -----------------------------------------------------------------------------------
 
 
-def _compute_sharding(var, layout: Layout):
-    """Where a weight lives under ``layout`` when serving: as the layout computes with it (nothing
-    to gather per step)."""
-    value = var.get_value()
-    names = layout.effective_names(logical_names(var) or (None,) * value.ndim, value.shape)
-    names = tuple(None if n == "layers" else n for n in names)  # the layer stack is read one layer at a time
-    return layout.sharding(names, "compute", value.shape)
-
-
-def _map_weights(fn, state):
-    """``state`` with each weight's value replaced by ``fn(variable)``."""
-    return jax.tree.map(lambda var: var.replace(value=fn(var)), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-
-
 class Sampler:
     """Generation from a BD3-LM's weights (the module doc says how).
 
@@ -191,12 +152,12 @@ class Sampler:
         self.block_size = cfg.block_size if block_size is None else block_size
         bd3lm.check_block_size(self.block_size)
         self.vocab = cfg.data_vocab if vocab is None else vocab
-        if not _is_int(self.vocab) or not 0 < self.vocab <= cfg.data_vocab:
+        if not is_int(self.vocab) or not 0 < self.vocab <= cfg.data_vocab:
             raise JaxparError(f"vocab={vocab!r} must be an int in [1, data_vocab={cfg.data_vocab}]: the ids the sampler may produce")
         self.layout = layout
         self._graphdef, state = nnx.split(model)
         if layout is not None:
-            state = _map_weights(lambda var: jax.device_put(var.get_value(), _compute_sharding(var, layout)), state)
+            state = map_weights(lambda var: jax.device_put(var.get_value(), compute_sharding(var, layout)), state)
         self._template = state
         self.params = nnx.to_pure_dict(state)
         self._programs: dict = {}
@@ -285,7 +246,7 @@ class Sampler:
         check_sampling(b, steps, temperature, top_p)
         if path not in PATHS:
             raise JaxparError(f"path={path!r} is unknown: use {' or '.join(PATHS)}")
-        if not _is_int(new_blocks) or new_blocks < 1:
+        if not is_int(new_blocks) or new_blocks < 1:
             raise JaxparError(f"new_blocks={new_blocks!r} must be a positive int (blocks of {b} tokens to generate)")
         prompt = self._check_tokens(prompt, "the prompt")
         rows, length = prompt.shape
@@ -357,8 +318,8 @@ def restore_model(checkpoint_dir: str, *, layout: Layout | None = None, step: in
             check_meta(meta, cfg)
         graphdef, abstract = abstract_model(model_and_loss(cfg)[0])
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        where = (lambda var: one) if layout is None else (lambda var: _compute_sharding(var, layout))
-        shapes = _map_weights(lambda var: jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=where(var)), abstract)
+        where = (lambda var: one) if layout is None else (lambda var: compute_sharding(var, layout))
+        shapes = map_weights(lambda var: jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=where(var)), abstract)
         item = {"params": nnx.to_pure_dict(shapes)}
         saved = {path: sig for path, sig in meta["arrays"].items() if path.startswith("params/")}
         problem = checkpoint_lib.describe_mismatch(saved, checkpoint_lib.array_signature(item))

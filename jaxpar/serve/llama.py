@@ -1,0 +1,147 @@
+"""Generation from a Llama (``models/llama.py``): one token a step, with a KV cache.
+
+Prompts of different lengths decode together. Each is placed so that all end at the same cache
+slot (left-padded): slot s holds row i's token at position s - pad_i, where pad_i is how much
+shorter row i's prompt is than the longest. Every step runs one compiled program on one token per
+row at slot s (``Llama.network_cached``): it writes the tokens' keys and values into slot s and
+reads, for row i, the slots pad_i <= slot < s (its own earlier tokens, never another row's pads).
+While s is inside the prompts the step reads them (the prefill); the logits at the last prompt slot
+and after give the new tokens.
+
+What a new token is: the argmax over the vocabulary (``temperature`` 0, greedy: a pure function of
+the weights and the prompt) or a sample at ``temperature`` from the top-p nucleus
+(``common.pick``), drawn from ``jax.random.key(seed)`` folded with the new token's index.
+
+Under a layout (``Decoder(layout=...)``) the weights are placed as the layout computes them and the
+program is partitioned by XLA (under ``rules.use_layout`` the model's ``jaxpar.nn`` calls become
+sharding constraints); greedy decoding equals one device's.
+
+Not yet: a prefill of the whole prompt in one step (the prompt is read a token a step, the same
+program as decoding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.attention import DEFAULT_BLOCK
+from jaxpar.errors import JaxparError
+from jaxpar.models.llama import LlamaConfig
+from jaxpar.rules import Layout, use_layout
+from jaxpar.serve.common import check_pick, compute_sharding, is_int, map_weights, pick
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    tokens: list  # per prompt: int32 (its length + new,), the prompt then its new tokens
+    step_seconds: list  # wall time of each step (prefill and decode), the first one's compile included
+    new_tokens: int  # per prompt
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens of every row per second of decoding, the first (compiling) step left out."""
+        decoding = self.step_seconds[-(self.new_tokens - 1):] if self.new_tokens > 1 else []
+        return len(self.tokens) * len(decoding) / sum(decoding) if decoding else float("nan")
+
+
+class Decoder:
+    """Greedy or sampled generation from a Llama's weights (the module doc says how).
+
+    ``model``: a ``models.llama.Llama``. ``layout``: place the weights and compile under it
+    (default: one device). ``vocab``: produce only ids below it (default the whole vocabulary; the
+    byte tokenizer passes 256)."""
+
+    def __init__(self, model, *, layout: Layout | None = None, vocab: int | None = None):
+        cfg = model.cfg
+        if type(cfg) is not LlamaConfig:
+            raise JaxparError(f"the decoder generates from a Llama (models.llama.Llama); got a {type(model).__name__} with a "
+                              f"{type(cfg).__name__} (block diffusion models have their own sampler: jaxpar.serve.bd3lm)")
+        self.cfg = cfg
+        self.vocab = cfg.vocab_size if vocab is None else vocab
+        if not is_int(self.vocab) or not 0 < self.vocab <= cfg.vocab_size:
+            raise JaxparError(f"vocab={vocab!r} must be an int in [1, {cfg.vocab_size}]: the ids the decoder may produce")
+        self.layout = layout
+        self._graphdef, state = nnx.split(model)
+        if layout is not None:
+            state = map_weights(lambda var: jax.device_put(var.get_value(), compute_sharding(var, layout)), state)
+        self._template = state
+        self.params = nnx.to_pure_dict(state)
+        self._steps: dict = {}
+
+    def _model(self, params):
+        state = jax.tree.map(lambda v: v, self._template)  # a copy: the template keeps its own arrays
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self._graphdef, state)
+
+    def _step(self, temperature, top_p, params, cache, slot, tokens, pads, key):
+        """(the cache with slot ``slot`` written, each row's next id) for ``tokens`` (rows,) at ``slot``."""
+        positions = jnp.maximum(slot - pads, 0)[:, None]  # a pad's position is never read
+        slots = jnp.arange(cache[0].shape[2])
+        valid = (slots[None, :] < slot) & (slots[None, :] >= pads[:, None])
+        logits, kv = self._model(params).network_cached(tokens[:, None], positions, cache, valid)
+        cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), slot, axis=2) for c, new in zip(cache, kv))
+        return cache, pick(logits[:, -1, : self.vocab].astype(jnp.float32), temperature, top_p, key)
+
+    def _program(self, temperature: float, top_p: float):
+        key = (temperature, top_p)
+        if key not in self._steps:
+            self._steps[key] = jax.jit(functools.partial(self._step, temperature, top_p), donate_argnums=(1,))
+        return self._steps[key]
+
+    def _check_prompts(self, prompts) -> list[np.ndarray]:
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+            prompts = [prompts]
+        checked = []
+        for i, prompt in enumerate(prompts):
+            prompt = np.asarray(prompt)
+            if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+                raise JaxparError(f"prompt {i} must be a non-empty 1-D array of int ids; got {prompt.dtype} of shape {prompt.shape}")
+            if prompt.min() < 0 or prompt.max() >= self.vocab:
+                raise JaxparError(f"prompt {i} has ids in [{prompt.min()}, {prompt.max()}]; they must lie in [0, {self.vocab})")
+            checked.append(prompt.astype(np.int32))
+        if not checked:
+            raise JaxparError("no prompt given: pass at least one")
+        return checked
+
+    def generate(self, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                 max_length: int | None = None) -> Decoded:
+        """Each prompt (a 1-D int array, or a list of them) continued by ``max_new_tokens`` ids.
+        ``max_length``: refuse a prompt that would grow longer than this many tokens (default: no bound)."""
+        check_pick(temperature, top_p)
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise JaxparError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+        prompts = self._check_prompts(prompts)
+        longest = max(len(p) for p in prompts)
+        if max_length is not None and longest + max_new_tokens > max_length:
+            raise JaxparError(f"a prompt of {longest} tokens and {max_new_tokens} new ones make {longest + max_new_tokens} tokens, "
+                              f"more than max_length={max_length}: shorten the prompt, ask for fewer tokens or raise max_length")
+        rows, total = len(prompts), longest + max_new_tokens
+        pads = np.array([longest - len(p) for p in prompts], np.int32)
+        out = np.zeros((rows, total), np.int32)
+        for i, p in enumerate(prompts):
+            out[i, pads[i]:longest] = p
+        slots = total - 1  # the last new token is never read
+        if slots + 1 > DEFAULT_BLOCK:  # the attention op tiles longer key sequences by DEFAULT_BLOCK
+            slots = -(-(slots + 1) // DEFAULT_BLOCK) * DEFAULT_BLOCK - 1
+        dtype = self.params["embedding"].dtype
+        shape = (self.cfg.layers, rows, slots, self.cfg.kv_heads, self.cfg.head_dim)
+        cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        program, key, seconds = self._program(float(temperature), float(top_p)), jax.random.key(seed), []
+        with use_layout(self.layout):
+            for slot in range(total - 1):
+                begun = time.perf_counter()
+                new = slot + 1 - longest  # the index of the token this step picks (negative: still in the prompts)
+                cache, picked = program(self.params, cache, jnp.int32(slot), out[:, slot], pads, jax.random.fold_in(key, max(new, 0)))
+                if new >= 0:
+                    out[:, slot + 1] = np.asarray(picked)
+                else:
+                    jax.block_until_ready(picked)
+                seconds.append(time.perf_counter() - begun)
+        return Decoded([out[i, pads[i]:] for i in range(rows)], seconds, max_new_tokens)
