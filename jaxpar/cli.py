@@ -216,16 +216,20 @@ def _compile(args) -> int:
 
 
 def _generate_parser(sub):
-    p = sub.add_parser("generate", help="continue a prompt with a block diffusion model (bd3lm-*) from a checkpoint of jaxpar train")
-    p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="a --checkpoint-dir of jaxpar train --model bd3lm-...")
-    p.add_argument("--prompt", default="", help="text to continue (UTF-8 bytes, the main job's tokens)")
-    p.add_argument("--new-blocks", type=int, default=4, help="blocks to generate (default 4)")
-    p.add_argument("--denoise-steps", type=int, help="denoising steps per block (1 to the block size; default the block size)")
+    p = sub.add_parser("generate", help="continue text from a checkpoint of jaxpar train: a Llama token by token (KV cache), "
+                                        "a block diffusion model (bd3lm-*) block by block")
+    p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="a --checkpoint-dir of jaxpar train")
+    p.add_argument("--prompt", default=None, help="text to continue (UTF-8 bytes, the main job's tokens)")
+    p.add_argument("--prompts-file", metavar="PATH", help="a Llama: continue each line of this file, all in one batch")
+    p.add_argument("--max-new-tokens", type=int, help="a Llama: tokens to generate per prompt (default 64)")
+    p.add_argument("--new-blocks", type=int, help="a block diffusion model: blocks to generate (default 4)")
+    p.add_argument("--denoise-steps", type=int, help="a block diffusion model: denoising steps per block (1 to the block size; "
+                                                     "default the block size)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above 0: sample")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of ids holding this much probability")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--topology", default="cpu-1", help="devices to run on (default one CPU device)")
-    p.add_argument("--strategy", help='a layout for the weights, e.g. "tensor=2" (default: one device)')
+    p.add_argument("--strategy", help='a layout for the weights, e.g. "tensor=2" or "data=2,tensor=4" (default: one device)')
     p.add_argument("--json", metavar="PATH", help="write the tokens, the text and the time as JSON")
     return p
 
@@ -234,15 +238,28 @@ def _generate(args) -> int:
     import time
 
     topology = _cpu_topology_simulated(args.topology)
-    from jaxpar.serve import bd3lm as sampler
-    from jaxpar.train.loop import check_at_least, check_writable, devices_for, write_json_atomically
+    from jaxpar.errors import JaxparError
+    from jaxpar.serve import common
+    from jaxpar.train.loop import check_writable, devices_for
 
-    check_at_least("--new-blocks", args.new_blocks, 1)
-    # the bound of --denoise-steps, the block size, is the checkpoint's: checked again once it is read
-    steps = 1 if args.denoise_steps is None else args.denoise_steps
-    sampler.check_sampling(max(steps, 1), steps, args.temperature, args.top_p)
+    common.check_pick(args.temperature, args.top_p)
     if args.json:
         check_writable(args.json, "--json")
+    if args.prompt is not None and args.prompts_file:
+        raise JaxparError("give --prompt or --prompts-file, not both")
+    prompts = [args.prompt or ""]
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as err:
+            raise JaxparError(f"--prompts-file {args.prompts_file!r} cannot be read as UTF-8 text: {err}") from None
+    family = common.checkpoint_family(args.checkpoint_dir)
+    wrong = {"llama": ("--new-blocks", "--denoise-steps"), "bd3lm": ("--max-new-tokens", "--prompts-file")}[family]
+    given = [flag for flag in wrong if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if given:
+        raise JaxparError(f"{given[0]} is for {'block diffusion models' if family == 'llama' else 'a Llama'}; the checkpoint holds "
+                          f"a {common.FAMILIES[family]}")
     layout = None
     if args.strategy:
         from jaxpar.parallel import build_layout, parse_strategy
@@ -250,7 +267,49 @@ def _generate(args) -> int:
         devices = devices_for(topology)
         layout = build_layout(parse_strategy(args.strategy, len(devices)), devices)
     began = time.perf_counter()
-    out = sampler.generate_from_checkpoint(args.checkpoint_dir, args.prompt, args.new_blocks, denoise_steps=args.denoise_steps,
+    if family == "llama":
+        return _generate_llama(args, prompts, layout, began)
+    return _generate_blocks(args, prompts[0], layout, began)
+
+
+def _generate_llama(args, prompts, layout, began) -> int:
+    import time
+
+    from jaxpar.serve import llama as decoder
+    from jaxpar.train.loop import check_at_least, write_json_atomically
+
+    new = 64 if args.max_new_tokens is None else args.max_new_tokens
+    check_at_least("--max-new-tokens", new, 1)
+    outs, decoded = decoder.generate_from_checkpoint(args.checkpoint_dir, prompts, new, temperature=args.temperature,
+                                                     top_p=args.top_p, seed=args.seed, layout=layout)
+    seconds = time.perf_counter() - began
+    for out in outs:
+        print(out.text)
+    steady = decoded.step_seconds[2:]  # the prefill and the first step compile
+    speed = f"; decoding {decoded.tokens_per_second:.0f} tokens/s, {1000 * sum(steady) / len(steady):.1f} ms a step" if steady else ""
+    print(f"\n{len(outs)} x {new} new tokens in {seconds:.2f} s (restore and compiles included){speed}; {outs[0].model} "
+          f"checkpoint {outs[0].step}", file=sys.stderr)
+    if args.json:
+        write_json_atomically(args.json, {
+            "prompts": [{"text": o.text, "continuation": o.continuation, "tokens": [int(t) for t in o.tokens],
+                         "prompt_tokens": o.prompt_tokens} for o in outs],
+            "step_seconds": decoded.step_seconds, "tokens_per_second": decoded.tokens_per_second, "seconds": seconds,
+            "model": outs[0].model, "step": outs[0].step})
+    return EXIT_OK
+
+
+def _generate_blocks(args, prompt, layout, began) -> int:
+    import time
+
+    from jaxpar.serve import bd3lm as sampler
+    from jaxpar.train.loop import check_at_least, write_json_atomically
+
+    new_blocks = 4 if args.new_blocks is None else args.new_blocks
+    check_at_least("--new-blocks", new_blocks, 1)
+    # the bound of --denoise-steps, the block size, is the checkpoint's: checked again once it is read
+    steps = 1 if args.denoise_steps is None else args.denoise_steps
+    sampler.check_sampling(max(steps, 1), steps, args.temperature, args.top_p)
+    out = sampler.generate_from_checkpoint(args.checkpoint_dir, prompt, new_blocks, denoise_steps=args.denoise_steps,
                                            temperature=args.temperature, top_p=args.top_p, seed=args.seed, layout=layout)
     seconds = time.perf_counter() - began
     print(out.text)

@@ -187,8 +187,8 @@ def test_generation_from_a_checkpoint_of_the_main_job(trained):
 def test_a_checkpoint_restores_into_a_layout(trained):
     """Only the parameters, read straight into the layout's shardings: the weights one device reads."""
     layout = build_layout(parse_strategy("tensor=2", 2), jax.devices()[:2])
-    split, meta = sampling.restore_model(trained, layout=layout)
-    one, _ = sampling.restore_model(trained)
+    split, meta = common.restore_model(trained, "bd3lm", layout=layout)
+    one, _ = common.restore_model(trained, "bd3lm")
     assert meta["data"]["seq_len"] == 32
     wq = nnx.state(split)["layers"]["wq"].get_value()
     assert wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor") and len(wq.sharding.device_set) == 2

@@ -122,8 +122,19 @@ class Llama(nnx.Module):
         head_dim), so that a caller can append them to its cache. The same layers as ``network``
         (``_block``), the tokens' keys and values placed after the cached ones."""
         x = embed_lookup(self.embedding, tokens, RESIDUAL)
-        x, new_kv = _layers_cached(x, nnx.state(self.layers), self.cfg, positions, cache, cache_valid)
+        own = jnp.ones(tokens.shape, bool)
+        mask = BIDIRECTIONAL.with_segments(own, jnp.concatenate([cache_valid, own], axis=1))  # invalid slots: segment False
+        x, new_kv = _layers_cached(x, nnx.state(self.layers), self.cfg, positions, mask, cache)
         return _logits(x, self._head(), self.cfg), new_kv
+
+    def network_prefill(self, tokens, positions, segments):
+        """The network over whole prompts for serving: (logits (batch, n, vocab), (keys, values),
+        each (layers, batch, n, kv_heads, head_dim), as ``network_cached`` returns them) of
+        ``tokens`` (batch, n) at ``positions``, causal, each token attending only to tokens of its
+        own ``segments`` id (batch, n) (a left-padded batch gives its padding an id of its own)."""
+        x = embed_lookup(self.embedding, tokens, RESIDUAL)
+        x, kv = _layers_cached(x, nnx.state(self.layers), self.cfg, positions, CAUSAL.with_segments(segments))
+        return _logits(x, self._head(), self.cfg), kv
 
     def _head(self):
         # the embedding is read only where it is the output layer too: inside jaxpar's step a read
@@ -177,18 +188,16 @@ def _layers(x, layers, cfg, positions, mask):
     return jax.lax.scan(layer, x, layers)[0]
 
 
-def _layers_cached(x, layers, cfg, positions, cache, cache_valid):
-    """``_layers`` for ``Llama.network_cached``: each layer also reads its slice of the cached
-    (keys, values) and yields its own; the queries see every valid cached key and every new one."""
-    own = jnp.ones(x.shape[:2], bool)
-    mask = BIDIRECTIONAL.with_segments(own, jnp.concatenate([cache_valid, own], axis=1))  # invalid cache slots: segment False
+def _layers_cached(x, layers, cfg, positions, mask, cache=None):
+    """``_layers`` for serving: each layer also yields its own (keys, values), and with ``cache``
+    reads its slice of the cached ones before them (``mask`` over [cached ; own])."""
 
     def layer(x, inputs):
-        stacked_slice, past = inputs
+        stacked_slice, past = inputs if cache is not None else (inputs, None)
         w = {name: var[...] for name, var in stacked_slice.items()}
         return _block(x, w, cfg, positions, mask, past)
 
-    return jax.lax.scan(layer, x, (layers, cache))
+    return jax.lax.scan(layer, x, layers if cache is None else (layers, cache))
 
 
 def _logits(x, head, cfg):

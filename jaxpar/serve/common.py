@@ -3,15 +3,23 @@ weights placed as a layout computes with them (nothing to gather per step when s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxpar.errors import JaxparError
+from jaxpar.models import model_and_loss, model_config, model_family
 from jaxpar.rules import Layout, logical_names
+from jaxpar.train import checkpoint as checkpoint_lib
+from jaxpar.train.state import abstract_model
+
+BYTE_VOCAB = 256  # the main job's tokens are UTF-8 bytes (train/data.py)
+FAMILIES = {"llama": "Llama", "bd3lm": "block diffusion model"}  # models.model_family's names, in words
 
 
 def is_int(x) -> bool:
@@ -56,3 +64,80 @@ def compute_sharding(var, layout: Layout):
 def map_weights(fn, state):
     """``state`` with each weight's value replaced by ``fn(variable)``."""
     return jax.tree.map(lambda var: var.replace(value=fn(var)), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+# --- from a checkpoint of the main job -------------------------------------------------------------
+
+
+def checkpoint_family(checkpoint_dir: str) -> str:
+    """The model family (``llama``, ``bd3lm``) of the newest ``jaxpar train`` checkpoint in
+    ``checkpoint_dir``, from its meta alone."""
+    ckpt = checkpoint_lib.Checkpointer.existing(checkpoint_lib.CheckpointConfig(checkpoint_dir))
+    try:
+        return model_family(model_config(ckpt.read_meta(ckpt.latest_step())["model"]))
+    finally:
+        ckpt.close()
+
+
+def restore_model(checkpoint_dir: str, family: str, *, layout: Layout | None = None, step: int | None = None, check_meta=None):
+    """(model, meta) of a ``jaxpar train`` checkpoint (default: the newest) of a model of
+    ``family`` (``models.model_family``: llama, bd3lm): only the TrainState's parameters are
+    read, straight into ``layout``'s compute shardings (default: the first device), and checked
+    against their saved checksums (``CheckpointDamaged`` names a damaged array).
+    ``check_meta(meta, cfg)`` may refuse the request from the checkpoint's meta before any array
+    is read."""
+    ckpt = checkpoint_lib.Checkpointer.existing(checkpoint_lib.CheckpointConfig(checkpoint_dir))
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step not in ckpt.steps():
+            raise JaxparError(f"checkpoint directory {checkpoint_dir!r} holds no checkpoint {step}; it holds {ckpt.steps()}")
+        meta = ckpt.read_meta(step)
+        cfg = model_config(meta["model"])
+        if model_family(cfg) != family:
+            raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} holds {meta['model']!r}, a {FAMILIES[model_family(cfg)]}; "
+                              f"this generates from {FAMILIES[family]}s")
+        if check_meta is not None:
+            check_meta(meta, cfg)
+        graphdef, abstract = abstract_model(model_and_loss(cfg)[0])
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        where = (lambda var: one) if layout is None else (lambda var: compute_sharding(var, layout))
+        shapes = map_weights(lambda var: jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=where(var)), abstract)
+        item = {"params": nnx.to_pure_dict(shapes)}
+        saved = {path: sig for path, sig in meta["arrays"].items() if path.startswith("params/")}
+        problem = checkpoint_lib.describe_mismatch(saved, checkpoint_lib.array_signature(item))
+        if problem:
+            raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} does not fit model {meta['model']!r}: {problem}")
+        restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), item)
+        try:
+            restored = ckpt.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))["state"]
+        except Exception as err:  # noqa: BLE001 - truncated or missing array files surface as TensorStore errors
+            raise checkpoint_lib.CheckpointDamaged(step, f"its parameters cannot be read ({checkpoint_lib._first_line(err)})") from None
+        records = {path: meta["checksums"][path] for path in saved}
+        sums = checkpoint_lib.state_checksums(restored, {path: record["grid"] for path, record in records.items()})
+        checkpoint_lib._compare_checksums(step, records, sums)
+    finally:
+        ckpt.close()
+    state = jax.tree.map(lambda v: v, abstract)
+    nnx.replace_by_pure_dict(state, restored["params"])
+    return nnx.merge(graphdef, state), meta
+
+
+def encode_text(text: str) -> np.ndarray:
+    """The main job's tokens of ``text``: its UTF-8 bytes, int32 (length,)."""
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+
+def decode_tokens(tokens) -> str:
+    """Byte tokens as text (UTF-8; a byte sequence that is not valid UTF-8 becomes U+FFFD)."""
+    return bytes(np.asarray(tokens, np.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    text: str  # the prompt and its continuation, decoded together
+    continuation: str  # the generated bytes alone, decoded
+    tokens: np.ndarray  # int32 (length,): the prompt's bytes, then the generated ones (whole blocks)
+    prompt_tokens: int  # how many of ``tokens`` are the prompt's
+    model: str  # the checkpoint's model name
+    step: int  # the checkpoint's step

@@ -1,23 +1,27 @@
-"""Generation from a Llama (``models/llama.py``): one token a step, with a KV cache.
+"""Generation from a Llama (``models/llama.py``): a prefill of the prompts, then one token a step
+with a KV cache.
 
 Prompts of different lengths decode together. Each is placed so that all end at the same cache
 slot (left-padded): slot s holds row i's token at position s - pad_i, where pad_i is how much
-shorter row i's prompt is than the longest. Every step runs one compiled program on one token per
-row at slot s (``Llama.network_cached``): it writes the tokens' keys and values into slot s and
-reads, for row i, the slots pad_i <= slot < s (its own earlier tokens, never another row's pads).
-While s is inside the prompts the step reads them (the prefill); the logits at the last prompt slot
-and after give the new tokens.
+shorter row i's prompt is than the longest (and, past 512 tokens, all rows are padded to a
+multiple of 512, which the attention op tiles by). The prefill runs the prompts in one step
+(``Llama.network_prefill``: causal, the padding a segment of its own so that no real token reads
+it), writes their keys and values into slots 0.., and picks the first new token from the last
+slot's logits. Every later step runs one compiled program on one token per row at slot s
+(``Llama.network_cached``): it writes the token's keys and values into slot s and reads, for row i,
+the slots pad_i <= slot < s.
 
 What a new token is: the argmax over the vocabulary (``temperature`` 0, greedy: a pure function of
 the weights and the prompt) or a sample at ``temperature`` from the top-p nucleus
 (``common.pick``), drawn from ``jax.random.key(seed)`` folded with the new token's index.
 
 Under a layout (``Decoder(layout=...)``) the weights are placed as the layout computes them and the
-program is partitioned by XLA (under ``rules.use_layout`` the model's ``jaxpar.nn`` calls become
+programs are partitioned by XLA (under ``rules.use_layout`` the model's ``jaxpar.nn`` calls become
 sharding constraints); greedy decoding equals one device's.
 
-Not yet: a prefill of the whole prompt in one step (the prompt is read a token a step, the same
-program as decoding).
+From a checkpoint of ``jaxpar train`` (``generate_from_checkpoint``): only the parameters are read,
+into the layout's shardings, and checked against their saved checksums (``common.restore_model``);
+text is UTF-8 bytes, the main job's tokens.
 """
 
 from __future__ import annotations
@@ -35,19 +39,20 @@ from jaxpar.attention import DEFAULT_BLOCK
 from jaxpar.errors import JaxparError
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.rules import Layout, use_layout
-from jaxpar.serve.common import check_pick, compute_sharding, is_int, map_weights, pick
+from jaxpar.serve.common import (BYTE_VOCAB, Generated, check_pick, compute_sharding, decode_tokens, encode_text, is_int,
+                                 map_weights, pick, restore_model)
 
 
 @dataclasses.dataclass(frozen=True)
 class Decoded:
     tokens: list  # per prompt: int32 (its length + new,), the prompt then its new tokens
-    step_seconds: list  # wall time of each step (prefill and decode), the first one's compile included
+    step_seconds: list  # wall time of the prefill, then of each decoding step (the first two compile)
     new_tokens: int  # per prompt
 
     @property
     def tokens_per_second(self) -> float:
-        """New tokens of every row per second of decoding, the first (compiling) step left out."""
-        decoding = self.step_seconds[-(self.new_tokens - 1):] if self.new_tokens > 1 else []
+        """New tokens of every row per second of decoding, the two compiling steps left out."""
+        decoding = self.step_seconds[2:]
         return len(self.tokens) * len(decoding) / sum(decoding) if decoding else float("nan")
 
 
@@ -73,27 +78,37 @@ class Decoder:
             state = map_weights(lambda var: jax.device_put(var.get_value(), compute_sharding(var, layout)), state)
         self._template = state
         self.params = nnx.to_pure_dict(state)
-        self._steps: dict = {}
+        self._programs: dict = {}
 
     def _model(self, params):
         state = jax.tree.map(lambda v: v, self._template)  # a copy: the template keeps its own arrays
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self._graphdef, state)
 
+    def _prefill(self, temperature, top_p, params, cache, tokens, pads, key):
+        """(the cache with the prompts' slots written, each row's first new id) for the left-padded
+        prompts ``tokens`` (rows, n)."""
+        slots = jnp.arange(tokens.shape[1])
+        positions = jnp.maximum(slots[None, :] - pads[:, None], 0)  # a pad's position is never read
+        segments = (slots[None, :] >= pads[:, None]).astype(jnp.int32)
+        logits, kv = self._model(params).network_prefill(tokens, positions, segments)
+        cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), 0, axis=2) for c, new in zip(cache, kv))
+        return cache, pick(logits[:, -1, : self.vocab].astype(jnp.float32), temperature, top_p, key)
+
     def _step(self, temperature, top_p, params, cache, slot, tokens, pads, key):
         """(the cache with slot ``slot`` written, each row's next id) for ``tokens`` (rows,) at ``slot``."""
-        positions = jnp.maximum(slot - pads, 0)[:, None]  # a pad's position is never read
+        positions = (slot - pads)[:, None]
         slots = jnp.arange(cache[0].shape[2])
         valid = (slots[None, :] < slot) & (slots[None, :] >= pads[:, None])
         logits, kv = self._model(params).network_cached(tokens[:, None], positions, cache, valid)
         cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), slot, axis=2) for c, new in zip(cache, kv))
         return cache, pick(logits[:, -1, : self.vocab].astype(jnp.float32), temperature, top_p, key)
 
-    def _program(self, temperature: float, top_p: float):
-        key = (temperature, top_p)
-        if key not in self._steps:
-            self._steps[key] = jax.jit(functools.partial(self._step, temperature, top_p), donate_argnums=(1,))
-        return self._steps[key]
+    def _program(self, name: str, temperature: float, top_p: float):
+        key = (name, temperature, top_p)
+        if key not in self._programs:
+            self._programs[key] = jax.jit(functools.partial(getattr(self, "_" + name), temperature, top_p), donate_argnums=(1,))
+        return self._programs[key]
 
     def _check_prompts(self, prompts) -> list[np.ndarray]:
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
@@ -122,26 +137,57 @@ class Decoder:
         if max_length is not None and longest + max_new_tokens > max_length:
             raise JaxparError(f"a prompt of {longest} tokens and {max_new_tokens} new ones make {longest + max_new_tokens} tokens, "
                               f"more than max_length={max_length}: shorten the prompt, ask for fewer tokens or raise max_length")
-        rows, total = len(prompts), longest + max_new_tokens
-        pads = np.array([longest - len(p) for p in prompts], np.int32)
+        width = longest if longest <= DEFAULT_BLOCK else -(-longest // DEFAULT_BLOCK) * DEFAULT_BLOCK  # the prefill's tiling
+        rows, total = len(prompts), width + max_new_tokens
+        pads = np.array([width - len(p) for p in prompts], np.int32)
         out = np.zeros((rows, total), np.int32)
         for i, p in enumerate(prompts):
-            out[i, pads[i]:longest] = p
+            out[i, pads[i]:width] = p
         slots = total - 1  # the last new token is never read
-        if slots + 1 > DEFAULT_BLOCK:  # the attention op tiles longer key sequences by DEFAULT_BLOCK
+        if slots + 1 > DEFAULT_BLOCK:  # a step's keys, the cache and its own: tiled by DEFAULT_BLOCK
             slots = -(-(slots + 1) // DEFAULT_BLOCK) * DEFAULT_BLOCK - 1
         dtype = self.params["embedding"].dtype
         shape = (self.cfg.layers, rows, slots, self.cfg.kv_heads, self.cfg.head_dim)
         cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-        program, key, seconds = self._program(float(temperature), float(top_p)), jax.random.key(seed), []
+        key, statics, seconds = jax.random.key(seed), (float(temperature), float(top_p)), []
         with use_layout(self.layout):
-            for slot in range(total - 1):
+            begun = time.perf_counter()
+            cache, picked = self._program("prefill", *statics)(self.params, cache, out[:, :width], pads, jax.random.fold_in(key, 0))
+            out[:, width] = np.asarray(picked)
+            seconds.append(time.perf_counter() - begun)
+            for slot in range(width, total - 1):
                 begun = time.perf_counter()
-                new = slot + 1 - longest  # the index of the token this step picks (negative: still in the prompts)
-                cache, picked = program(self.params, cache, jnp.int32(slot), out[:, slot], pads, jax.random.fold_in(key, max(new, 0)))
-                if new >= 0:
-                    out[:, slot + 1] = np.asarray(picked)
-                else:
-                    jax.block_until_ready(picked)
+                cache, picked = self._program("step", *statics)(self.params, cache, jnp.int32(slot), out[:, slot], pads,
+                                                                jax.random.fold_in(key, slot + 1 - width))
+                out[:, slot + 1] = np.asarray(picked)
                 seconds.append(time.perf_counter() - begun)
         return Decoded([out[i, pads[i]:] for i in range(rows)], seconds, max_new_tokens)
+
+
+def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.0,
+                             top_p: float = 1.0, seed: int = 0, max_length: int | None = None, layout: Layout | None = None,
+                             step: int | None = None) -> tuple[list[Generated], Decoded]:
+    """Continue each of ``prompts`` (text) by ``max_new_tokens`` byte tokens from the weights of a
+    ``jaxpar train`` checkpoint of a Llama, as ``Decoder.generate`` does on their UTF-8 bytes:
+    (one ``Generated`` per prompt, the decoding's ``Decoded``). ``max_length``: default the run's
+    ``--seq-len`` (positions beyond it were never trained on; pass a larger one to go further)."""
+    check_pick(temperature, top_p)
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise JaxparError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+    encoded = [encode_text(p) for p in prompts]
+    empty = [i for i, e in enumerate(encoded) if not len(e)]
+    if not encoded or empty:
+        raise JaxparError(f"prompt {empty[0]} is empty: give each prompt some text" if empty else "no prompt given: pass at least one")
+
+    def check(meta, cfg):  # before any array is read
+        bound, what = (meta["data"]["seq_len"], "the run's --seq-len") if max_length is None else (max_length, "max_length")
+        longest = max(len(e) for e in encoded)
+        if longest + max_new_tokens > bound:
+            raise JaxparError(f"a prompt of {longest} tokens and {max_new_tokens} new ones make {longest + max_new_tokens} tokens, "
+                              f"more than {bound} ({what}): shorten the prompt or ask for fewer tokens")
+
+    model, meta = restore_model(checkpoint_dir, "llama", layout=layout, step=step, check_meta=check)
+    decoded = Decoder(model, layout=layout, vocab=BYTE_VOCAB).generate(encoded, max_new_tokens, temperature=temperature,
+                                                                       top_p=top_p, seed=seed)
+    return [Generated(decode_tokens(t), decode_tokens(t[len(e):]), t, len(e), meta["model"], meta["step"])
+            for t, e in zip(decoded.tokens, encoded)], decoded
