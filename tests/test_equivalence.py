@@ -241,11 +241,15 @@ def test_bf16_reduction_casts_the_layer_stacks_once_and_changes_no_number(tokens
     # each layer cast inside the loop: bitwise the same numbers, in less memory.
     cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", grad_reduce_dtype="bfloat16")
 
-    def run():
+    def run():  # one step of the compiled program whose memory is read
         trainer = Trainer(build_layout(parse_strategy("fsdp=8", 8)), llama_model, llama.loss_fn, cfg, optimizer=OPTIMIZER)
-        batch = trainer.abstract_batch(BATCH, SEQ)
-        temps = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile().memory_analysis().temp_size_in_bytes
-        return sharded(trainer, llama_model, llama.loss_fn, batches(tokens)[:1]), temps
+        batch = trainer.put_batch(batches(tokens)[0])
+        step = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
+        start, shardings = initial_weights(llama_model), trainer.state_shardings
+        state = TrainState(jax.device_put(start, shardings.params), jax.device_put(OPTIMIZER.init(start), shardings.opt_state),
+                           jax.device_put(np.int32(0), shardings.step))
+        state, metrics = step(state, batch)
+        return jax.device_get((metrics["loss"], state.params)), step.memory_analysis().temp_size_in_bytes
 
     narrowed, narrowed_temps = run()
     monkeypatch.setattr(rules, "_narrow_stack", lambda *args: False)
