@@ -112,10 +112,10 @@ def restore_model(checkpoint_dir: str, family: str, *, layout: Layout | None = N
             restored = ckpt.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))["state"]
         except Exception as err:  # noqa: BLE001 - truncated or missing array files surface as TensorStore errors
-            raise checkpoint_lib.CheckpointDamaged(step, f"its parameters cannot be read ({checkpoint_lib._first_line(err)})") from None
+            raise checkpoint_lib.CheckpointDamaged(step, f"its parameters cannot be read ({checkpoint_lib.first_line(err)})") from None
         records = {path: meta["checksums"][path] for path in saved}
         sums = checkpoint_lib.state_checksums(restored, {path: record["grid"] for path, record in records.items()})
-        checkpoint_lib._compare_checksums(step, records, sums)
+        checkpoint_lib.compare_checksums(step, records, sums)
     finally:
         ckpt.close()
     state = jax.tree.map(lambda v: v, abstract)

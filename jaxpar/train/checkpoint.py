@@ -206,7 +206,7 @@ def _checksum_record(state) -> dict:
     return {path: {"grid": list(_grid_of(flat[path])), "sums": sums[path].tolist()} for path in flat}
 
 
-def _compare_checksums(step: int, record: dict, actual: dict):
+def compare_checksums(step: int, record: dict, actual: dict):
     """Raise CheckpointDamaged naming the first array shard whose sums differ."""
     bad = []
     for path, saved in record.items():
@@ -234,7 +234,7 @@ def _unseal(step: int, sealed: dict) -> dict:
     return meta
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     """The gist of an error from orbax, TensorStore or json, without their multi-line details."""
     text = (str(err).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
     return f"{type(err).__name__}: {text}"[:300]
@@ -380,7 +380,7 @@ class Checkpointer:
         intact = [s for s in self.steps() if s != step]
         keep = f"checkpoint {intact[-1]} is intact" if intact else "no earlier checkpoint exists"
         full = isinstance(err, OSError) and err.errno == errno.ENOSPC
-        why = f"the disk is full ({err.strerror})" if full else "the disk is full" if "No space left" in str(err) else _first_line(err)
+        why = f"the disk is full ({err.strerror})" if full else "the disk is full" if "No space left" in str(err) else first_line(err)
         return CheckpointWriteFailed(
             f"checkpoint {step} could not be written to {self.directory}: {why}; {keep}; "
             "free space or choose another --checkpoint-dir, then --resume"
@@ -416,7 +416,7 @@ class Checkpointer:
         try:
             sealed = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as err:  # noqa: BLE001 — a missing or cut-off file: orbax and json raise many kinds
-            raise CheckpointDamaged(step, f"its metadata cannot be read ({_first_line(err)})") from None
+            raise CheckpointDamaged(step, f"its metadata cannot be read ({first_line(err)})") from None
         if not isinstance(sealed, dict):
             raise CheckpointDamaged(step, "its metadata cannot be read (not a JSON object)")
         return _unseal(step, sealed)
@@ -437,10 +437,10 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
         except Exception as err:  # noqa: BLE001 — truncated or missing array files surface as TensorStore errors
-            raise CheckpointDamaged(step, f"its arrays cannot be read ({_first_line(err)})") from None
+            raise CheckpointDamaged(step, f"its arrays cannot be read ({first_line(err)})") from None
         state = restored["state"]
         actual = state_checksums(state, {path: rec["grid"] for path, rec in meta["checksums"].items()})
-        _compare_checksums(step, meta["checksums"], actual)
+        compare_checksums(step, meta["checksums"], actual)
         self.verified.add(step)
         return state, meta
 
@@ -507,13 +507,13 @@ def _verified_host_arrays(ckpt: Checkpointer, step: int) -> tuple[dict, dict]:
     try:
         arrays = _read_host_arrays(ckpt.directory, step)
     except Exception as err:  # noqa: BLE001
-        raise CheckpointDamaged(step, f"its arrays cannot be read ({_first_line(err)})") from None
+        raise CheckpointDamaged(step, f"its arrays cannot be read ({first_line(err)})") from None
     missing = set(meta["checksums"]) - set(arrays)
     if missing:
         raise CheckpointDamaged(step, f"array {sorted(missing)[0]} is missing")
     sums = {path: np.asarray(jax.jit(block_checksums, static_argnums=1)(arrays[path], tuple(rec["grid"])))
             for path, rec in meta["checksums"].items()}
-    _compare_checksums(step, meta["checksums"], sums)
+    compare_checksums(step, meta["checksums"], sums)
     return arrays, meta
 
 
