@@ -166,6 +166,9 @@ def test_bad_block_degrees_and_models_are_refused_with_the_valid_values():
     with pytest.raises(JaxparError, match=r"block axis is not supported by model tiny.*bd3lm-tiny.*e.g. --strategy data=8"):
         check_model_axes(parse_strategy("block=2,data=4", 8), "tiny")
     check_model_axes(parse_strategy("block=2,data=4", 8), "bd3lm-tiny")
+    # CSBP with P = C leaves a mesh block axis of 1: the written P is what is refused
+    with pytest.raises(JaxparError, match=r"block axis is not supported by model tiny.*drop block=2"):
+        check_model_axes(parse_strategy("block=2,context=2,data=2", 4), "tiny")
     with pytest.raises(SpecError, match=r"block=2 with stage=2"):
         parse_strategy("block=2,stage=2,data=2", 8)
     with pytest.raises(SpecError, match=r"block=6 with context=4: the BP degree .* multiple of the context degree.*block=4 or block=8"):

@@ -142,10 +142,11 @@ def check_model_axes(strategy: Strategy, model: str):
     if model in CONFIGS and model_family(CONFIGS[model]) == "bd3lm":
         del unsupported["block"]
     for axis, why in unsupported.items():
-        if degrees[axis] > 1:
+        written = strategy.block_ranks if axis == "block" else degrees[axis]  # CSBP's mesh axis is P / C
+        if written > 1:
             instead = dataclasses.replace(strategy, spec=ParallelSpec(dict(degrees, **{axis: 1, "data": degrees["data"] * degrees[axis]})))
             raise JaxparError(
-                f"the {axis} axis is not supported by model {model} yet: {why}; drop {axis}={degrees[axis]} "
+                f"the {axis} axis is not supported by model {model} yet: {why}; drop {axis}={written} "
                 f"from the strategy, e.g. --strategy {instead}"
             )
 
