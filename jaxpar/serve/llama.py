@@ -110,6 +110,16 @@ class Decoder:
             self._programs[key] = jax.jit(functools.partial(getattr(self, "_" + name), temperature, top_p), donate_argnums=(1,))
         return self._programs[key]
 
+    def compiled_step(self, rows: int, cache_slots: int, temperature: float = 0.0, top_p: float = 1.0):
+        """The compiled decoding step for ``rows`` prompts and a cache of ``cache_slots`` slots (its
+        text shows the collectives each new token waits on)."""
+        shape = (self.cfg.layers, rows, cache_slots, self.cfg.kv_heads, self.cfg.head_dim)
+        cache = (jax.ShapeDtypeStruct(shape, self.params["embedding"].dtype),) * 2
+        ids = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        with use_layout(self.layout):
+            return self._program("step", float(temperature), float(top_p)).lower(
+                self.params, cache, jax.ShapeDtypeStruct((), jnp.int32), ids, ids, jax.random.key(0)).compile()
+
     def _check_prompts(self, prompts) -> list[np.ndarray]:
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
             prompts = [prompts]
