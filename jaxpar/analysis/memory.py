@@ -46,10 +46,8 @@ def stored_tables(trainer) -> tuple[float, int, int]:
     """(weights per device after tensor parallelism, summed row width, count) of the lookup tables that
     ``jaxpar.nn.embed_lookup`` reads at their stored shards inside the manual step (``rules.stored_table``:
     first logical axis ``vocab``, only the last dim split in storage): never gathered, their rows
-    travel instead. None under a pipeline, whose stages read the tables whole."""
+    travel instead."""
     layout, psi, width, count = trainer.layout, 0.0, 0, 0
-    if trainer.schedule is not None:
-        return psi, width, count
     for path, names in trainer.names.items():
         if not names or names[0] != LOOKUP_AXIS:
             continue

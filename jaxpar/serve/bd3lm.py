@@ -50,20 +50,18 @@ decoded with errors replaced.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxpar.attention import DEFAULT_BLOCK, BlockMask, Mask
 from jaxpar.errors import JaxparError
 from jaxpar.models import bd3lm
 from jaxpar.rules import Layout, use_layout
-from jaxpar.serve.common import (BYTE_VOCAB, Generated, check_pick, compute_sharding, decode_tokens, encode_text, is_int,
-                                 map_weights, pick, restore_model)
+from jaxpar.serve.common import (BYTE_VOCAB, Generated, Served, check_pick, decode_tokens, encode_text, is_int, pick,
+                                 restore_model)
 
 PATHS = ("cache", "recompute")
 
@@ -131,7 +129,7 @@ def recompute_inputs(prefix_blocks: int, block_size: int, rows: int):
 # --- the sampler -----------------------------------------------------------------------------------
 
 
-class Sampler:
+class Sampler(Served):
     """Generation from a BD3-LM's weights (the module doc says how).
 
     ``model``: a ``models.bd3lm.BD3LM``. ``block_size``: the blocks it was trained on (default its
@@ -148,30 +146,9 @@ class Sampler:
         self.cfg = cfg
         self.block_size = cfg.block_size if block_size is None else block_size
         bd3lm.check_block_size(self.block_size)
-        self.vocab = cfg.data_vocab if vocab is None else vocab
-        if not is_int(self.vocab) or not 0 < self.vocab <= cfg.data_vocab:
-            raise JaxparError(f"vocab={vocab!r} must be an int in [1, data_vocab={cfg.data_vocab}]: the ids the sampler may produce")
-        self.layout = layout
-        self._graphdef, state = nnx.split(model)
-        if layout is not None:
-            state = map_weights(lambda var: jax.device_put(var.get_value(), compute_sharding(var, layout)), state)
-        self._template = state
-        self.params = nnx.to_pure_dict(state)
-        self._programs: dict = {}
+        super().__init__(model, layout, vocab, cfg.data_vocab, "data_vocab")
 
     # --- programs (traced under the layout, compiled once per shape) ---
-
-    def _program(self, name: str, *static):
-        """The jitted method ``_name`` with its leading ``static`` arguments bound."""
-        key = (name, *static)
-        if key not in self._programs:
-            self._programs[key] = jax.jit(functools.partial(getattr(self, "_" + name), *static))
-        return self._programs[key]
-
-    def _model(self, params):
-        state = jax.tree.map(lambda v: v, self._template)  # a copy: the template keeps its own arrays
-        nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self._graphdef, state)
 
     def _cached_logits(self, params, cache, start, tokens):
         """(float32 logits (rows, n, vocab), the tokens' (keys, values)) of ``tokens`` (rows, n) at

@@ -4,6 +4,7 @@ weights placed as a layout computes with them (nothing to gather per step when s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -50,6 +51,38 @@ def pick(logits, temperature: float, top_p: float, key):
         least_kept = jnp.min(jnp.where(ahead < top_p, descending, jnp.inf), -1, keepdims=True)  # the most probable always
         scaled = jnp.where(probs >= least_kept, scaled, -jnp.inf)
     return jax.random.categorical(key, scaled, -1).astype(jnp.int32)
+
+
+class Served:
+    """A model's weights placed for serving under ``layout`` (default: one device, as they are),
+    and the compiled programs of a subclass's ``_name`` methods (``_program``)."""
+
+    DONATES: dict = {}  # program name -> the arguments it consumes (a cache it returns updated)
+
+    def __init__(self, model, layout: Layout | None, vocab, model_vocab: int, vocab_name: str):
+        self.vocab = model_vocab if vocab is None else vocab
+        if not is_int(self.vocab) or not 0 < self.vocab <= model_vocab:
+            raise JaxparError(f"vocab={vocab!r} must be an int in [1, {vocab_name}={model_vocab}]: the ids it may produce")
+        self.layout = layout
+        self._graphdef, state = nnx.split(model)
+        if layout is not None:
+            state = map_weights(lambda var: jax.device_put(var.get_value(), compute_sharding(var, layout)), state)
+        self._template = state
+        self.params = nnx.to_pure_dict(state)
+        self._programs: dict = {}
+
+    def _program(self, name: str, *static):
+        """The jitted method ``_name`` with its leading ``static`` arguments bound."""
+        key = (name, *static)
+        if key not in self._programs:
+            self._programs[key] = jax.jit(functools.partial(getattr(self, "_" + name), *static),
+                                          donate_argnums=self.DONATES.get(name, ()))
+        return self._programs[key]
+
+    def _model(self, params):
+        state = jax.tree.map(lambda v: v, self._template)  # a copy: the template keeps its own arrays
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self._graphdef, state)
 
 
 def compute_sharding(var, layout: Layout):

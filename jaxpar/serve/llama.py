@@ -27,20 +27,18 @@ text is UTF-8 bytes, the main job's tokens.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxpar.attention import DEFAULT_BLOCK
 from jaxpar.errors import JaxparError
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.rules import Layout, use_layout
-from jaxpar.serve.common import (BYTE_VOCAB, Generated, check_pick, compute_sharding, decode_tokens, encode_text, is_int,
-                                 map_weights, pick, restore_model)
+from jaxpar.serve.common import (BYTE_VOCAB, Generated, Served, check_pick, decode_tokens, encode_text, is_int, pick,
+                                 restore_model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +54,14 @@ class Decoded:
         return len(self.tokens) * len(decoding) / sum(decoding) if decoding else float("nan")
 
 
-class Decoder:
+class Decoder(Served):
     """Greedy or sampled generation from a Llama's weights (the module doc says how).
 
     ``model``: a ``models.llama.Llama``. ``layout``: place the weights and compile under it
     (default: one device). ``vocab``: produce only ids below it (default the whole vocabulary; the
     byte tokenizer passes 256)."""
+
+    DONATES = {"prefill": (1,), "step": (1,)}  # the cache, returned written
 
     def __init__(self, model, *, layout: Layout | None = None, vocab: int | None = None):
         cfg = model.cfg
@@ -69,21 +69,7 @@ class Decoder:
             raise JaxparError(f"the decoder generates from a Llama (models.llama.Llama); got a {type(model).__name__} with a "
                               f"{type(cfg).__name__} (block diffusion models have their own sampler: jaxpar.serve.bd3lm)")
         self.cfg = cfg
-        self.vocab = cfg.vocab_size if vocab is None else vocab
-        if not is_int(self.vocab) or not 0 < self.vocab <= cfg.vocab_size:
-            raise JaxparError(f"vocab={vocab!r} must be an int in [1, {cfg.vocab_size}]: the ids the decoder may produce")
-        self.layout = layout
-        self._graphdef, state = nnx.split(model)
-        if layout is not None:
-            state = map_weights(lambda var: jax.device_put(var.get_value(), compute_sharding(var, layout)), state)
-        self._template = state
-        self.params = nnx.to_pure_dict(state)
-        self._programs: dict = {}
-
-    def _model(self, params):
-        state = jax.tree.map(lambda v: v, self._template)  # a copy: the template keeps its own arrays
-        nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self._graphdef, state)
+        super().__init__(model, layout, vocab, cfg.vocab_size, "vocab_size")
 
     def _prefill(self, temperature, top_p, params, cache, tokens, pads, key):
         """(the cache with the prompts' slots written, each row's first new id) for the left-padded
@@ -103,12 +89,6 @@ class Decoder:
         logits, kv = self._model(params).network_cached(tokens[:, None], positions, cache, valid)
         cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), slot, axis=2) for c, new in zip(cache, kv))
         return cache, pick(logits[:, -1, : self.vocab].astype(jnp.float32), temperature, top_p, key)
-
-    def _program(self, name: str, temperature: float, top_p: float):
-        key = (name, temperature, top_p)
-        if key not in self._programs:
-            self._programs[key] = jax.jit(functools.partial(getattr(self, "_" + name), temperature, top_p), donate_argnums=(1,))
-        return self._programs[key]
 
     def compiled_step(self, rows: int, cache_slots: int, temperature: float = 0.0, top_p: float = 1.0):
         """The compiled decoding step for ``rows`` prompts and a cache of ``cache_slots`` slots (its
