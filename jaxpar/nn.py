@@ -9,7 +9,10 @@ path instead (``train/gspmd.py``), where XLA places the collectives.
   matmul; Megatron's g: all-reduce, or reduce-scatter under SP);
 - ``shard_offset``, ``shard_count``, ``sum_over``: this device's index into a sharded dim, the
   devices it is split over, and sums across it;
-- ``embed_lookup``, ``cross_entropy``: vocab-parallel embedding and next-token loss.
+- ``embed_lookup``, ``cross_entropy``: vocab-parallel embedding and next-token loss;
+- ``start_delayed``, ``residual_add``, ``finish_delayed``: the residual stream's adds, where
+  delayed tensor parallelism (``delay=1``, ``parallel/delayed.py``) reads each sublayer's sum one
+  sublayer late.
 
 Per-layer gathers and remat need no call: the step does them (``rules.gather_layers_when_read``,
 ``train/remat.py``).
@@ -24,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.errors import LayoutError
-from jaxpar.rules import _ACTIVE, Layout, Names, _called, stored_table, varying_axes
+from jaxpar.rules import _ACTIVE, _CALLS, Layout, Names, _called, stored_table, varying_axes
 
 
 def _check_rank(x, names):
@@ -77,7 +80,8 @@ def _refuse_unfinished_sum(x, names: Names, layout: Layout, where: str):
     Inside the manual step such a value can only be a sum over a logical axis sharded on that mesh
     axis that nobody finished (a row-parallel matmul output without ``reduce_partial``): its shards
     are partial sums, and a later sum over the same axis (a vocab-parallel loss) would hide it."""
-    model_axes = {a for name in layout.compute if name != "batch" for a in layout.axes_of(name)}
+    # (under delayed TP the residual stream differs across the delayed axes on purpose)
+    model_axes = {a for name in layout.compute if name != "batch" for a in layout.axes_of(name)} - set(layout.delay_axes)
     split = {a for name in names for a in layout.axes_of(name)}
     unfinished = sorted((varying_axes(x) & model_axes) - split)
     if unfinished:
@@ -133,6 +137,73 @@ def reduce_partial(x, contracted: Sequence[str], dst: Names):
             x = jax.lax.psum_scatter(x, scatter, scatter_dimension=dim, tiled=True)
             pending = [a for a in pending if a not in scatter]
     return jax.lax.psum(x, tuple(pending)) if pending else x
+
+
+# --- the residual stream: each sublayer's finished sum added, now or (delayed TP) one sublayer late ---
+
+
+def _delay_axes(call: str) -> tuple[str, ...]:
+    layout = _manual_layout(call)
+    active = _ACTIVE.get()
+    probing = _CALLS.get() is not None  # the trainer's trace that only records which calls a model makes
+    if layout is None and active is not None and active.layout.delay_axes and not probing:
+        raise LayoutError(f"the layout delays tensor parallelism's sums (delay=1), which only jaxpar's manual step "
+                          f"(shard_map) can run: each device keeps a residual stream of its own. Run the model through "
+                          f"jaxpar's Trainer or serving Decoder, or drop delay=1")
+    return () if layout is None else layout.delay_axes
+
+
+def start_delayed(x, names: Names):
+    """``(x, pending)``: the residual stream ``x`` (laid out as ``names``) entering a model's first
+    sublayer, and the partial sum still to be added to it, to carry from sublayer to sublayer with
+    ``residual_add`` (None, unless the layout delays: then zeros, and ``x`` becomes this device's
+    own copy of the stream)."""
+    _check_rank(x, names)
+    if not _delay_axes("start_delayed"):
+        return x, None
+    x = _vary_everywhere(x)
+    return x, _vary_everywhere(jnp.zeros_like(x))
+
+
+def _vary_everywhere(x):
+    # a sublayer's output varies over every mesh axis (enter_block makes its input so); the stream
+    # it is added to, carried through a layer scan, must have the same type from the start
+    layout = _ACTIVE.get().layout
+    missing = tuple(a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1 and a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def residual_add(x, partial, contracted: Sequence[str], names: Names, pending=None):
+    """``(x + the finished sum of partial, pending)`` for a sublayer's output ``partial`` (partial
+    sums over the sharded logical axes ``contracted``, as ``reduce_partial`` takes them) and the
+    residual stream ``x`` laid out as ``names``.
+
+    Under delayed tensor parallelism (``pending`` from ``start_delayed``): each device adds its own
+    ``partial`` at once and the other devices' share of ``pending`` (the previous sublayer's
+    partial, whose all-reduce was issued when it was made), and ``partial`` becomes the pending
+    sum; the all-reduce of this sublayer's sum is then read only by the next sublayer's add."""
+    _check_rank(x, names)
+    axes = _delay_axes("residual_add")
+    if pending is None:
+        if axes:
+            raise LayoutError("residual_add under delay=1 needs the pending partial sum: start the residual stream with "
+                              "jaxpar.nn.start_delayed and carry what residual_add returns from sublayer to sublayer")
+        return x + reduce_partial(partial, contracted, names), None
+    summed = sorted({a for name in contracted for a in _ACTIVE.get().layout.axes_of(name)})
+    if summed != sorted(axes):
+        raise LayoutError(f"residual_add: the partial sums over logical axes {tuple(contracted)} are split over mesh axes "
+                          f"{summed}, but the layout delays the sums over {list(axes)}: only a sublayer whose sum runs over "
+                          f"exactly those axes can be delayed")
+    return x + partial + (jax.lax.psum(pending, axes) - pending), partial
+
+
+def finish_delayed(x, pending):
+    """The residual stream after the last sublayer: ``x`` with the pending partial sum added (every
+    device's copy then holds the same values)."""
+    if pending is None:
+        return x
+    axes = _delay_axes("finish_delayed")
+    return x + (jax.lax.psum(pending, axes) - pending)
 
 
 def shard_offset(names: Names, dim: int, local_size: int):

@@ -36,7 +36,20 @@ def step_report(trainer, compiled, strategy, cfg, batch_shape: tuple[int, int]) 
         report["block"] = block_report(layout, cols, report["communication"], batch_shape[1], cfg)
     elif layout.ring_axes or layout.a2a_axes:
         report["context"] = context_report(layout, report["communication"], batch_shape[1], cfg)
+    if layout.axes_of("heads"):
+        report["tensor"] = tensor_report(layout, compiled.as_text(), cfg)
     return report
+
+
+def tensor_report(layout, hlo_text: str, cfg) -> dict:
+    """Tensor parallelism's part of the report: per layer of the forward pass, the all-reduces
+    over the tensor axes and how many of them are blocking (no matmul can run while one is in
+    flight: ``hlo.blocking_collectives``); Megatron TP has 2, delayed TP (``delay=1``) 0."""
+    forward = [loop for loop in hlo.blocking_collectives(hlo_text)
+               if "transpose" not in loop["op_name"] and loop["trips"] == cfg.layers]
+    return {"delayed": bool(layout.delay_axes), "axes": list(layout.axes_of("heads")),
+            "all_reduces_per_layer": max((loop["collectives"] for loop in forward), default=0),
+            "blocking_per_layer": max((loop["blocking"] for loop in forward), default=0)}
 
 
 def block_report(layout, cols, communication: dict, length: int, cfg) -> dict:
@@ -142,6 +155,12 @@ def format_summary(report: dict) -> str:
             lines.append(f"  {kind:22s} {row['measured_bytes']:14,.0f} bytes   formula {row['formula_bytes']:14,.0f}")
         lines.append(f"  causal attention work per device, max / mean: {ctx['imbalance']:.3f} with the zigzag "
                      f"({ctx['contiguous_imbalance']:.3f} for contiguous chunks)")
+    if "tensor" in report:
+        tp = report["tensor"]
+        how = "delayed (delay=1): each sublayer's sum read one sublayer later" if tp["delayed"] else "Megatron"
+        lines += ["", f"tensor parallelism over {'/'.join(tp['axes'])}, {how}",
+                  f"  per layer, forward: {tp['all_reduces_per_layer']} all-reduces, {tp['blocking_per_layer']} of them blocking "
+                  f"(no matmul runs while it is in flight)"]
     if "block" in report:
         bp = report["block"]
         ring = f", the clean half split over {bp['ring']} (CSBP)" if bp["ring"] > 1 else ", the clean half on every device"

@@ -80,6 +80,9 @@ class Layout:
     # whether a device fetches the clean keys its blocks read (clean_kv=fetch) instead of a ring
     diffusion_blocks: tuple[str, ...] = ()
     diffusion_fetch: bool = False
+    # delayed tensor parallelism: the mesh axes whose row-parallel partial sums a sublayer adds one
+    # sublayer late (``jaxpar.nn.residual_add``); each device keeps its own copy of the residual
+    delayed: tuple[str, ...] = ()
 
     def effective_names(self, names: Names, shape) -> tuple:
         """``names`` with each replicable logical axis that its dim is too short to split replaced
@@ -112,6 +115,10 @@ class Layout:
     @property
     def block_axes(self) -> tuple[str, ...]:
         return self._live(self.diffusion_blocks)
+
+    @property
+    def delay_axes(self) -> tuple[str, ...]:
+        return self._live(self.delayed)
 
     @property
     def loss_axes(self) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ Reads the text of ``jax.jit(f).lower(...).compile().as_text()``:
     summarize(cols)   # kind -> {"count", "bytes_per_device"}
     by_axes(cols)     # (kind, mesh_axes) -> {"count", "bytes_per_device"}
     link_bytes(compiled.as_text(), mesh)   # (sender, receiver) Device.id -> collective-permute bytes
+    blocking_collectives(compiled.as_text())   # per layer loop: collectives nothing computes under
 
 Conventions (all checked on programs compiled by jax 0.10 for CPU and, ahead of time, TPU):
 - Device ids in replica groups and source-target pairs are *logical* ids (partition ids):
@@ -537,3 +538,71 @@ def link_bytes(hlo_text: str, mesh) -> dict[tuple[int, int], int]:
                 if s != r:
                     out[(ids[s], ids[r])] += c.operand_bytes * c.executions
     return dict(out)
+
+
+# ---------------------------------------------------------------- what waits on a collective
+
+_MATMULS = ("dot", "convolution")
+
+
+def _computes(comps):
+    """computation name -> whether it, or one it calls, does a matrix multiplication (XLA:CPU may
+    emit one as a custom call into a BLAS library)."""
+    memo: dict[str, bool] = {}
+
+    def heavy(ins: _Instr) -> bool:
+        if ins.opcode in _MATMULS or (ins.opcode == "custom-call" and re.search(r"matmul|gemm|dot", ins.attrs, re.I)):
+            return True
+        return any(computes(c) for _, c in _callees(ins))
+
+    def computes(c: str) -> bool:
+        if c not in memo:
+            memo[c] = False
+            memo[c] = any(heavy(ins) for ins in comps.get(c, []))
+        return memo[c]
+
+    return heavy
+
+
+def blocking_collectives(hlo_text: str, kinds: tuple[str, ...] = ("all-reduce",)) -> list[dict]:
+    """For each while loop whose body holds collectives of ``kinds``: how many there are per
+    iteration, and how many of them are *blocking*: no matrix multiplication of the body can run
+    while one is in flight, because every one of them either feeds it or waits on its result.
+
+    Under Megatron TP each sublayer's all-reduce is blocking (the next sublayer's matmuls read the
+    sum); under delayed TP none is (the next sublayer runs on the device's own copy of the stream,
+    and the sum is read after it). Each entry: ``{"loop", "op_name", "trips", "collectives",
+    "blocking"}``; ``op_name`` is the loop's source path from its metadata (a backward pass's loop
+    names a ``transpose``). Nested loops count in their own entry; a nested loop that multiplies
+    matrices counts as a matmul of the outer body."""
+    comps, roots, entry = _parse(hlo_text)
+    table = {ins.name: ins for instrs in comps.values() for ins in instrs}
+    heavy = _computes(comps)
+    out = []
+    for instrs in comps.values():
+        for loop in (ins for ins in instrs if ins.opcode == "while"):
+            body = dict(_callees(loop))["body"]
+            found = [ins for ins in comps[body] if ins.opcode.removesuffix("-start") in kinds and ins.opcode != "all-reduce-done"]
+            if not found:
+                continue
+            operands = {ins.name: [o for o in ins.operands if o in table] for ins in comps[body]}
+            users: dict[str, list[str]] = defaultdict(list)
+            for name, ops in operands.items():
+                for o in ops:
+                    users[o].append(name)
+
+            def reach(start: str, edges) -> set[str]:
+                seen, todo = set(), [start]
+                while todo:
+                    for nxt in edges.get(todo.pop(), ()):
+                        if nxt not in seen:
+                            seen.add(nxt)
+                            todo.append(nxt)
+                return seen
+
+            matmuls = {ins.name for ins in comps[body] if heavy(ins)}
+            blocking = sum(1 for c in found if not matmuls - reach(c.name, operands) - reach(c.name, users) - {c.name})
+            op_name = re.search(r'op_name="([^"]*)"', loop.attrs)
+            out.append({"loop": loop.name, "op_name": op_name[1] if op_name else "",
+                        "trips": _trip_count(loop, comps, roots, table), "collectives": len(found), "blocking": blocking})
+    return out

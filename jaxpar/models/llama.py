@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.attention import BIDIRECTIONAL, CAUSAL, attention
-from jaxpar.nn import constrain, cross_entropy, embed_lookup, enter_block, reduce_partial, shard_offset
+from jaxpar.nn import (constrain, cross_entropy, embed_lookup, enter_block, finish_delayed, residual_add, shard_offset,
+                       start_delayed)
 
 # Activation layouts: the residual stream, and the inside of attention / MLP blocks.
 RESIDUAL = ("batch", "residual_length", "embed")
@@ -180,24 +181,26 @@ def pipeline_pieces(cfg: LlamaConfig):
 def _layers(x, layers, cfg, positions, mask):
     """The scanned transformer layers over the residual stream; ``layers``: the stacked weights.
     (jaxpar's step gathers each layer's weights when the body reads them, and checkpoints the
-    body by the run's remat policy: ``jaxpar.train.remat``.)"""
-    def layer(x, stacked_slice):
+    body by the run's remat policy: ``jaxpar.train.remat``.) The scan carries the stream and the
+    partial sum delayed tensor parallelism has not added yet (None otherwise)."""
+    def layer(carry, stacked_slice):
         w = {name: var[...] for name, var in stacked_slice.items()}
-        return _block(x, w, cfg, positions, mask)[0], None
+        return _block(*carry, w, cfg, positions, mask)[0], None
 
-    return jax.lax.scan(layer, x, layers)[0]
+    return finish_delayed(*jax.lax.scan(layer, start_delayed(x, RESIDUAL), layers)[0])
 
 
 def _layers_cached(x, layers, cfg, positions, mask, cache=None):
     """``_layers`` for serving: each layer also yields its own (keys, values), and with ``cache``
     reads its slice of the cached ones before them (``mask`` over [cached ; own])."""
 
-    def layer(x, inputs):
+    def layer(carry, inputs):
         stacked_slice, past = inputs if cache is not None else (inputs, None)
         w = {name: var[...] for name, var in stacked_slice.items()}
-        return _block(x, w, cfg, positions, mask, past)
+        return _block(*carry, w, cfg, positions, mask, past)
 
-    return jax.lax.scan(layer, x, layers if cache is None else (layers, cache))
+    carry, kv = jax.lax.scan(layer, start_delayed(x, RESIDUAL), layers if cache is None else (layers, cache))
+    return finish_delayed(*carry), kv
 
 
 def _logits(x, head, cfg):
@@ -254,12 +257,13 @@ def _kv_for_local_heads(wk, wv, cfg, local_heads: int):
     return (jax.lax.dynamic_slice_in_dim(wk, first, count, axis=1), jax.lax.dynamic_slice_in_dim(wv, first, count, axis=1))
 
 
-def _block(x, w, cfg, positions, mask, past=None):
-    """(the layer's output, its (keys, values)); ``past`` as ``_attention`` takes it."""
+def _block(x, pending, w, cfg, positions, mask, past=None):
+    """((the layer's output, the partial sum it leaves pending), its (keys, values)); ``pending``:
+    what the previous layer left (``jaxpar.nn.residual_add``); ``past`` as ``_attention`` takes it."""
     h = enter_block(_rms_norm(x, w["attn_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
     attended, kv = _attention(h, w, cfg, positions, mask, past)
-    x = x + reduce_partial(attended, ("heads", "head_dim"), RESIDUAL)
+    x, pending = residual_add(x, attended, ("heads", "head_dim"), RESIDUAL, pending)
     h = enter_block(_rms_norm(x, w["mlp_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
     act = jax.nn.silu(jnp.einsum("ble,em->blm", h, w["w_gate"])) * jnp.einsum("ble,em->blm", h, w["w_up"])
     act = constrain(act, ("batch", "length", "mlp"))
-    return x + reduce_partial(jnp.einsum("blm,me->ble", act, w["w_down"]), ("mlp",), RESIDUAL), kv
+    return residual_add(x, jnp.einsum("blm,me->ble", act, w["w_down"]), ("mlp",), RESIDUAL, pending), kv

@@ -6,6 +6,7 @@ A strategy string names mesh-axis degrees and options, e.g.::
     "fsdp=8,zero=1"                ZeRO-1 over 8 devices
     "data=2,fsdp=4"                HSDP: shard inside groups of 4, replicate across 2 groups
     "data=2,tensor=4,sp=on"        DP x TP with sequence parallelism
+    "tensor=4,delay=1"             delayed TP: each sublayer's all-reduce read one sublayer later
     "fsdp=8,regather=on"           FSDP that gathers weights again for the backward pass
     "fsdp=8,param_shards=4"        hierarchical ZeRO: weights split in groups of 4, the rest over 8
     "fsdp=4,context=2"             FSDP x context parallelism (ring attention over 2 devices)
@@ -36,10 +37,10 @@ import warnings
 
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import SpecError
-from jaxpar.parallel import block, context, data, expert, fsdp, hierarchical_zero, sequence, stage, tensor
+from jaxpar.parallel import block, context, data, delayed, expert, fsdp, hierarchical_zero, sequence, stage, tensor
 from jaxpar.rules import LOGICAL_AXES, Layout
 
-STRATEGIES = (stage, data, hierarchical_zero, fsdp, expert, block, context, tensor, sequence)
+STRATEGIES = (stage, data, hierarchical_zero, fsdp, expert, block, context, tensor, sequence, delayed)
 OPTIONS = {key: (module, *parse) for module in STRATEGIES for key, parse in module.OPTIONS.items()}
 ACTIVATION_AXES = ("batch", "length", "residual_length")  # logical axes no weight has
 
@@ -140,5 +141,5 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
     return Layout(
         mesh, compute, stored["param"], stored["optimizer"], stored["grad"], regather=strategy.regather, dcn_axes=dcn_axes,
         replicable=tensor.REPLICABLE, context_ring=ring, context_a2a=a2a, diffusion_blocks=block.diffusion_axes(strategy),
-        diffusion_fetch=strategy.options["clean_kv"] == "fetch",
+        diffusion_fetch=strategy.options["clean_kv"] == "fetch", delayed=delayed.delayed_axes(strategy),
     )

@@ -47,7 +47,7 @@ def traffic(strategy, ctx) -> dict:
     if model is None:
         return {k: v for k, v in out.items() if v}
     local_tokens = ctx.batch // ctx.batch_shards * ctx.held_length
-    activation = local_tokens * model.embed * ctx.compute_bytes
+    activation = activation_bytes(ctx)
     passes = activation_passes(model.layers)
     if strategy.options["sp"]:
         one_way = passes * activation * (t - 1) / t
@@ -60,6 +60,11 @@ def traffic(strategy, ctx) -> dict:
     # vocab-parallel cross-entropy: max, sum of exponentials and target logit per token
     add("all-reduce", 3 * data.grad_allreduce_bytes(local_tokens * 4, t))
     return {k: v for k, v in out.items() if v}
+
+
+def activation_bytes(ctx) -> float:
+    """One device's (batch, length, embed) activation in the compute dtype."""
+    return ctx.batch // ctx.batch_shards * ctx.held_length * ctx.model.embed * ctx.compute_bytes
 
 
 def memory(strategy, mesh) -> dict:

@@ -15,7 +15,8 @@ from flax import nnx
 
 from jaxpar.errors import JaxparError
 from jaxpar.models import model_and_loss, model_config, model_family
-from jaxpar.rules import Layout, logical_names
+from jaxpar.parallel import delayed
+from jaxpar.rules import Layout, logical_names, use_layout
 from jaxpar.train import checkpoint as checkpoint_lib
 from jaxpar.train.state import abstract_model
 
@@ -55,9 +56,12 @@ def pick(logits, temperature: float, top_p: float, key):
 
 class Served:
     """A model's weights placed for serving under ``layout`` (default: one device, as they are),
-    and the compiled programs of a subclass's ``_name`` methods (``_program``)."""
+    and the compiled programs of a subclass's ``_name`` methods (``_program``): partitioned by XLA,
+    or, where ``manual`` (a layout only jaxpar's own collectives can run: delayed TP), run inside
+    one ``shard_map`` over the layout's mesh with the model's ``jaxpar.nn`` calls placing them."""
 
     DONATES: dict = {}  # program name -> the arguments it consumes (a cache it returns updated)
+    manual = False
 
     def __init__(self, model, layout: Layout | None, vocab, model_vocab: int, vocab_name: str):
         self.vocab = model_vocab if vocab is None else vocab
@@ -75,9 +79,30 @@ class Served:
         """The jitted method ``_name`` with its leading ``static`` arguments bound."""
         key = (name, *static)
         if key not in self._programs:
-            self._programs[key] = jax.jit(functools.partial(getattr(self, "_" + name), *static),
-                                          donate_argnums=self.DONATES.get(name, ()))
+            fn = functools.partial(getattr(self, "_" + name), *static)
+            if self.manual:
+                fn = self._in_shard_map(fn, *self._specs(name))
+            self._programs[key] = jax.jit(fn, donate_argnums=self.DONATES.get(name, ()),
+                                          compiler_options=delayed.compiler_options(self.layout))
         return self._programs[key]
+
+    def _specs(self, name: str):
+        """(in_specs, out_specs) of program ``name`` inside the manual shard_map (a subclass's)."""
+        raise NotImplementedError(f"{type(self).__name__} has no manual programs")
+
+    def _in_shard_map(self, fn, in_specs, out_specs):
+        layout = self.layout
+
+        def local(*args):
+            with use_layout(layout, manual=True):
+                return fn(*args)
+
+        return jax.shard_map(local, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    @property
+    def param_specs(self):
+        """Each weight's PartitionSpec as it is placed (the manual programs' in_specs)."""
+        return jax.tree.map(lambda a: a.sharding.spec, self.params)
 
     def _model(self, params):
         state = jax.tree.map(lambda v: v, self._template)  # a copy: the template keeps its own arrays

@@ -17,7 +17,11 @@ the weights and the prompt) or a sample at ``temperature`` from the top-p nucleu
 
 Under a layout (``Decoder(layout=...)``) the weights are placed as the layout computes them and the
 programs are partitioned by XLA (under ``rules.use_layout`` the model's ``jaxpar.nn`` calls become
-sharding constraints); greedy decoding equals one device's.
+sharding constraints); greedy decoding equals one device's. Under delayed TP (``delay=1``) each
+device keeps a residual stream of its own, which only jaxpar's collectives can run: the programs
+then run inside one ``shard_map`` (``Served.manual``), the rows padded to a whole number per data
+shard, each device's cache holding its own key/value heads, and the logits' vocabulary shards
+summed into whole rows before an id is picked.
 
 From a checkpoint of ``jaxpar train`` (``generate_from_checkpoint``): only the parameters are read,
 into the layout's shardings, and checked against their saved checksums (``common.restore_model``);
@@ -27,15 +31,19 @@ text is UTF-8 bytes, the main job's tokens.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.attention import DEFAULT_BLOCK
 from jaxpar.errors import JaxparError
-from jaxpar.models.llama import LlamaConfig
+from jaxpar.models.llama import LOGITS, LlamaConfig
+from jaxpar.nn import shard_offset
 from jaxpar.rules import Layout, use_layout
 from jaxpar.serve.common import (BYTE_VOCAB, Generated, Served, check_pick, decode_tokens, encode_text, is_int, pick,
                                  restore_model)
@@ -69,7 +77,32 @@ class Decoder(Served):
             raise JaxparError(f"the decoder generates from a Llama (models.llama.Llama); got a {type(model).__name__} with a "
                               f"{type(cfg).__name__} (block diffusion models have their own sampler: jaxpar.serve.bd3lm)")
         self.cfg = cfg
+        self.manual = layout is not None and bool(layout.delay_axes)
+        if self.manual:
+            for name, count in (("kv_heads", cfg.kv_heads), ("heads", cfg.heads)):
+                ways = math.prod(layout.mesh.shape[a] for a in layout.axes_of(name))
+                if count % ways:
+                    raise JaxparError(f"delay=1 decoding keeps each device's own {name} in its cache: the model's {count} "
+                                      f"{name} must split evenly over the layout's {ways} tensor shards; use tensor={math.gcd(count, ways)}")
         super().__init__(model, layout, vocab, cfg.vocab_size, "vocab_size")
+
+    def _specs(self, name: str):
+        b = _entry(self.layout.axes_of("batch"))
+        cache = (P(None, b, None, _entry(self.layout.axes_of("kv_heads")), None),) * 2
+        rows = P(b)
+        if name == "prefill":  # params, cache, tokens, pads, key
+            return (self.param_specs, cache, rows, rows, P()), (cache, rows)
+        return (self.param_specs, cache, P(), rows, rows, P()), (cache, rows)  # + the slot
+
+    def _whole_vocab(self, logits):
+        """The logits of every id: under the manual programs each device holds its vocabulary shard,
+        summed here into whole rows (the same on every device, so each picks the same id)."""
+        axes = self.layout.axes_of("vocab") if self.manual else ()
+        if not axes:
+            return logits
+        whole = jnp.zeros(logits.shape[:-1] + (self.cfg.vocab_size,), logits.dtype)
+        offset = shard_offset(LOGITS, 2, logits.shape[-1])
+        return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(whole, logits, offset, axis=2), axes)
 
     def _prefill(self, temperature, top_p, params, cache, tokens, pads, key):
         """(the cache with the prompts' slots written, each row's first new id) for the left-padded
@@ -79,7 +112,8 @@ class Decoder(Served):
         segments = (slots[None, :] >= pads[:, None]).astype(jnp.int32)
         logits, kv = self._model(params).network_prefill(tokens, positions, segments)
         cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), 0, axis=2) for c, new in zip(cache, kv))
-        return cache, pick(logits[:, -1, : self.vocab].astype(jnp.float32), temperature, top_p, key)
+        logits = self._whole_vocab(logits[:, -1:])[:, 0]
+        return cache, pick(logits[:, : self.vocab].astype(jnp.float32), temperature, top_p, key)
 
     def _step(self, temperature, top_p, params, cache, slot, tokens, pads, key):
         """(the cache with slot ``slot`` written, each row's next id) for ``tokens`` (rows,) at ``slot``."""
@@ -88,7 +122,8 @@ class Decoder(Served):
         valid = (slots[None, :] < slot) & (slots[None, :] >= pads[:, None])
         logits, kv = self._model(params).network_cached(tokens[:, None], positions, cache, valid)
         cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), slot, axis=2) for c, new in zip(cache, kv))
-        return cache, pick(logits[:, -1, : self.vocab].astype(jnp.float32), temperature, top_p, key)
+        logits = self._whole_vocab(logits)[:, -1]
+        return cache, pick(logits[:, : self.vocab].astype(jnp.float32), temperature, top_p, key)
 
     def compiled_step(self, rows: int, cache_slots: int, temperature: float = 0.0, top_p: float = 1.0):
         """The compiled decoding step for ``rows`` prompts and a cache of ``cache_slots`` slots (its
@@ -128,6 +163,9 @@ class Decoder(Served):
             raise JaxparError(f"a prompt of {longest} tokens and {max_new_tokens} new ones make {longest + max_new_tokens} tokens, "
                               f"more than max_length={max_length}: shorten the prompt, ask for fewer tokens or raise max_length")
         width = longest if longest <= DEFAULT_BLOCK else -(-longest // DEFAULT_BLOCK) * DEFAULT_BLOCK  # the prefill's tiling
+        asked = len(prompts)
+        if self.manual:  # whole rows per data shard: the first prompt again, its output dropped
+            prompts = prompts + prompts[:1] * (-asked % self.layout.batch_shards)
         rows, total = len(prompts), width + max_new_tokens
         pads = np.array([width - len(p) for p in prompts], np.int32)
         out = np.zeros((rows, total), np.int32)
@@ -139,6 +177,8 @@ class Decoder(Served):
         dtype = self.params["embedding"].dtype
         shape = (self.cfg.layers, rows, slots, self.cfg.kv_heads, self.cfg.head_dim)
         cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        if self.manual:
+            cache = jax.device_put(cache, NamedSharding(self.layout.mesh, self._specs("step")[0][1][0]))
         key, statics, seconds = jax.random.key(seed), (float(temperature), float(top_p)), []
         with use_layout(self.layout):
             begun = time.perf_counter()
@@ -151,7 +191,11 @@ class Decoder(Served):
                                                                 jax.random.fold_in(key, slot + 1 - width))
                 out[:, slot + 1] = np.asarray(picked)
                 seconds.append(time.perf_counter() - begun)
-        return Decoded([out[i, pads[i]:] for i in range(rows)], seconds, max_new_tokens)
+        return Decoded([out[i, pads[i]:] for i in range(asked)], seconds, max_new_tokens)
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.0,

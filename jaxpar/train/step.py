@@ -33,7 +33,7 @@ from jaxpar import attention
 from jaxpar.collectives import context_attention
 from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import pipeline as pipeline_lib
-from jaxpar.parallel import fsdp, schedules
+from jaxpar.parallel import delayed, fsdp, schedules
 from jaxpar.rules import Layout, gather_layers_when_read, gather_params, record_model_calls, use_layout, varying_axes
 from jaxpar.train import check as check_lib
 from jaxpar.train import grad_sync, gspmd, reductions, remat
@@ -219,6 +219,12 @@ class Trainer:
                 jax.eval_shape(probe, avals(params), avals(batch))
         used = sorted(set(calls))
         self._check_attention_called(used)
+        if self.layout.delay_axes and "residual_add" not in used:
+            raise LayoutError(
+                f"the layout delays tensor parallelism's sums (delay=1), but the model never adds a sublayer to its residual "
+                f"stream with jaxpar.nn.residual_add ({'it calls ' + ', '.join(used) if used else 'it makes no jaxpar call'}): "
+                f"it would train as plain TP. Carry the residual stream with jaxpar.nn.start_delayed, residual_add and "
+                f"finish_delayed (as jaxpar.models.llama does), or drop delay=1")
         if self.path is None:
             if used or self.pipeline is not None:
                 self.path = "manual"
@@ -473,6 +479,7 @@ class Trainer:
             in_shardings=(self.state_shardings, self.batch_sharding(batch_example)),
             out_shardings=(self.state_shardings, {"loss": replicated, "grad_norm": replicated, "finite": replicated}),
             donate_argnums=(0,) if self.cfg.donate else (),
+            compiler_options=delayed.compiler_options(self.layout),
         )
 
     def step(self, state: TrainState, batch):

@@ -1,0 +1,159 @@
+"""Delayed tensor parallelism (``delay=1``) trains and decodes like its single-device simulation.
+
+The oracle is written here with plain JAX on one device: the Llama's weights split into D virtual
+shards (each holds H/D query heads, K/D key/value heads, M/D MLP columns, V/D vocabulary rows),
+each shard with a residual stream of its own, adding after every sublayer its own partial output
+at once and the other shards' partial outputs of the sublayer before (the same algorithm as
+``parallel/delayed.py``, none of its code). Attention is ``jax.nn.dot_product_attention``.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxpar.analysis import hlo
+from jaxpar.errors import JaxparError, LayoutError, SpecError
+from jaxpar.models import llama
+from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.report import tensor_report
+from jaxpar.serve.llama import Decoder
+from jaxpar.train import data
+from jaxpar.train.step import Trainer
+from tests.test_equivalence import (BATCH, CFG, OPTIMIZER, SEQ, assert_same, batches, initial_weights, llama_model, oracle, sharded,
+                                    tokens)  # noqa: F401 (tokens: a fixture)
+
+TINY = llama.CONFIGS["tiny"]
+
+
+def _rms(x, scale, eps=TINY.norm_eps):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _rotary(x, positions, theta=TINY.rope_theta):  # (b, n, heads, d), the half-split convention
+    half = x.shape[-1] // 2
+    angles = positions[:, :, None, None] * theta ** (-jnp.arange(half) / half)
+    first, second = x[..., :half], x[..., half:]
+    return jnp.concatenate([first * jnp.cos(angles) - second * jnp.sin(angles),
+                            second * jnp.cos(angles) + first * jnp.sin(angles)], axis=-1)
+
+
+def simulated_logits(weights, tokens, shards: int):
+    """Logits (b, n, V) of delayed TP over ``shards`` virtual devices; ``weights``: the Llama's pure dict."""
+    layers, cfg = weights["layers"], TINY
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape).astype(jnp.float32)
+    part = lambda w, axis, d: jnp.split(w, shards, axis=axis)[d]  # noqa: E731 - shard d's slice
+    streams = [weights["embedding"][tokens]] * shards
+    pending = [jnp.zeros_like(streams[0])] * shards
+
+    def add(streams, pending, partials):  # own partial now, the others' previous ones late
+        total = sum(pending)
+        return [s + p + (total - q) for s, p, q in zip(streams, partials, pending)], partials
+
+    for i in range(cfg.layers):
+        w = {name: layers[name][i] for name in layers}
+        partials = []
+        for d, stream in enumerate(streams):
+            h = _rms(stream, w["attn_norm"])
+            q = _rotary(jnp.einsum("ble,ehd->blhd", h, part(w["wq"], 1, d)), positions)
+            k = _rotary(jnp.einsum("ble,ekd->blkd", h, part(w["wk"], 1, d)), positions)
+            v = jnp.einsum("ble,ekd->blkd", h, part(w["wv"], 1, d))
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            partials.append(jnp.einsum("blhd,hde->ble", out, part(w["wo"], 0, d)))
+        streams, pending = add(streams, pending, partials)
+        partials = []
+        for d, stream in enumerate(streams):
+            h = _rms(stream, w["mlp_norm"])
+            act = jax.nn.silu(h @ part(w["w_gate"], 1, d)) * (h @ part(w["w_up"], 1, d))
+            partials.append(act @ part(w["w_down"], 0, d))
+        streams, pending = add(streams, pending, partials)
+    total = sum(pending)
+    streams = [s + (total - q) for s, q in zip(streams, pending)]
+    # each shard's vocabulary rows from its own copy of the stream (the copies agree to rounding)
+    return jnp.concatenate([_rms(s, weights["final_norm"]) @ part(weights["unembedding"], 1, d)
+                            for d, s in enumerate(streams)], axis=-1)
+
+
+def simulated_loss(shards):
+    def loss(model, batch):
+        logits = simulated_logits(nnx.to_pure_dict(nnx.state(model)), batch[:, :-1], shards)
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]))
+    return loss
+
+
+@functools.cache
+def trained(strategy, steps=3):
+    """(the layout's Trainer, its losses, first gradients, final weights), shared by the tests that
+    read the program that ran."""
+    trainer = Trainer(build_layout(parse_strategy(strategy, 8)), llama_model, llama.loss_fn, CFG, optimizer=OPTIMIZER)
+    return trainer, sharded(trainer, llama_model, llama.loss_fn, batches(data.corpus_tokens(50_000))[:steps])
+
+
+def tensor_section(trainer):
+    example = trainer.abstract_batch(BATCH, SEQ)
+    return tensor_report(trainer.layout, trainer._step.lower(trainer.abstract_state(), example).compile().as_text(), TINY)
+
+
+@pytest.mark.parametrize("strategy,shards", [("data=4,tensor=2,delay=1", 2), ("data=2,tensor=4,delay=1", 4)])
+def test_delayed_training_equals_its_simulation(strategy, shards, tokens):
+    trainer, ours = trained(strategy)
+    assert_same(ours, oracle(llama_model, simulated_loss(shards), batches(tokens)))
+    # and it is a different function from TP (so the test above can tell them apart)
+    tp = oracle(llama_model, simulated_loss(1), batches(tokens))
+    assert abs(ours[0][0] - tp[0][0]) > 1e-4
+    # in its compiled step no forward sublayer waits on its own all-reduce (TP's both do, below)
+    assert tensor_section(trainer) == {"delayed": True, "axes": ["tensor"], "all_reduces_per_layer": 2, "blocking_per_layer": 0}
+
+
+def test_delay_0_is_tensor_parallelism_bit_for_bit():
+    (trainer, tp), (_, zero) = trained("data=4,tensor=2", 1), trained("data=4,tensor=2,delay=0", 1)
+    assert tp[0] == zero[0]
+    jax.tree.map(np.testing.assert_array_equal, (tp[1], tp[2]), (zero[1], zero[2]))
+    assert tensor_section(trainer) == {"delayed": False, "axes": ["tensor"], "all_reduces_per_layer": 2, "blocking_per_layer": 2}
+
+
+@pytest.fixture(scope="module")
+def loud_weights():
+    """The tiny Llama's weights with its sublayers' outputs made 8 times louder: what a device sees
+    late then changes which id wins, so DTP's tokens differ from TP's (checked below)."""
+    weights = jax.tree.map(np.array, initial_weights(llama_model))
+    for name in ("wo", "w_down"):
+        weights["layers"][name] *= 8
+    return weights
+
+
+def _with_weights(weights):
+    with nnx.use_eager_sharding(False):
+        model = llama_model(nnx.Rngs(jax.random.key(0)))
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, weights))
+    nnx.update(model, state)
+    return model
+
+
+def _greedy_of(weights, tokens, prompt_length: int, shards: int) -> np.ndarray:
+    """``tokens`` (a prompt then new ids) with each new id replaced by the simulation's argmax after
+    the ids before it: equal to ``tokens`` exactly when they are the simulation's greedy decoding."""
+    logits = jax.jit(simulated_logits, static_argnums=2)(weights, jnp.asarray(tokens[None, :-1]), shards)
+    return np.concatenate([tokens[:prompt_length], np.asarray(jnp.argmax(logits[0, prompt_length - 1:], -1))])
+
+
+def test_delayed_decoding_equals_its_simulation(loud_weights):
+    prompts = [np.arange(7, dtype=np.int32) * 11 % 256, np.arange(3, dtype=np.int32) * 29 % 256, np.array([5, 9], np.int32)]
+    layout = build_layout(parse_strategy("data=2,tensor=4,delay=1", 8))
+    decoded = Decoder(_with_weights(loud_weights), layout=layout).generate(prompts, 8)
+    differs = False
+    for prompt, tokens in zip(prompts, decoded.tokens):
+        np.testing.assert_array_equal(_greedy_of(loud_weights, tokens, len(prompt), 4), tokens)
+        differs |= not np.array_equal(_greedy_of(loud_weights, tokens, len(prompt), 1), tokens)
+    assert differs, "TP would decode the same tokens: the check above could not tell DTP from TP"
+
+
+@pytest.mark.parametrize("strategy,blocking", [("data=2,tensor=4", 2), ("data=2,tensor=4,delay=1", 0)])
+def test_a_decoding_step_waits_on_no_all_reduce_of_its_own_under_delay(strategy, blocking, loud_weights):
+    decoder = Decoder(_with_weights(loud_weights), layout=build_layout(parse_strategy(strategy, 8)))
+    loops = hlo.blocking_collectives(decoder.compiled_step(4, 32).as_text())
+    assert [(loop["trips"], loop["collectives"], loop["blocking"]) for loop in loops] == [(TINY.layers, 2, blocking)]
