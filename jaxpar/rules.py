@@ -83,6 +83,9 @@ class Layout:
     # delayed tensor parallelism: the mesh axes whose row-parallel partial sums a sublayer adds one
     # sublayer late (``jaxpar.nn.residual_add``); each device keeps its own copy of the residual
     delayed: tuple[str, ...] = ()
+    # collective matmul: the mesh axes whose block-entry all-gathers and exit reduce-scatters run as
+    # rings of ppermutes under the block's matmuls (``jaxpar.nn.enter_block``'s ``then``)
+    overlapped: tuple[str, ...] = ()
 
     def effective_names(self, names: Names, shape) -> tuple:
         """``names`` with each replicable logical axis that its dim is too short to split replaced
@@ -119,6 +122,10 @@ class Layout:
     @property
     def delay_axes(self) -> tuple[str, ...]:
         return self._live(self.delayed)
+
+    @property
+    def overlap_axes(self) -> tuple[str, ...]:
+        return self._live(self.overlapped)
 
     @property
     def loss_axes(self) -> tuple[str, ...]:

@@ -157,3 +157,34 @@ def test_a_decoding_step_waits_on_no_all_reduce_of_its_own_under_delay(strategy,
     decoder = Decoder(_with_weights(loud_weights), layout=build_layout(parse_strategy(strategy, 8)))
     loops = hlo.blocking_collectives(decoder.compiled_step(4, 32).as_text())
     assert [(loop["trips"], loop["collectives"], loop["blocking"]) for loop in loops] == [(TINY.layers, 2, blocking)]
+
+
+class PlainMlp(nnx.Module):
+    """A plain Flax model: no jaxpar call, so XLA's partitioner would place its collectives."""
+
+    def __init__(self, rngs):
+        named = lambda names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
+        self.up = nnx.Linear(16, 64, kernel_init=named(("embed", "mlp")), use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(64, 16, kernel_init=named(("mlp", "embed")), use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+def test_bad_input_is_refused_in_words(loud_weights):
+    refusals = {
+        "data=8,delay=1": "tensor=1; add tensor=N",
+        "data=4,tensor=2,delay=1,sp=on": "drop one of the two",
+        "stage=2,tensor=4,delay=1": "stage=2",
+        "data=4,tensor=2,delay=2": "delay=1",
+    }
+    for strategy, words in refusals.items():
+        with pytest.raises(SpecError, match=words):
+            parse_strategy(strategy, 8)
+    layout = build_layout(parse_strategy("data=4,tensor=2,delay=1", 8))
+    mse = lambda model, batch: jnp.mean((model(batch[:, :16]) - batch[:, 16:]) ** 2)  # noqa: E731
+    trainer = Trainer(layout, PlainMlp, mse, CFG, optimizer=OPTIMIZER)
+    with pytest.raises(LayoutError, match="never adds a sublayer to its residual stream"):
+        trainer.step(trainer.init(seed=0), trainer.put_batch(np.zeros((16, 32), np.float32)))
+    with pytest.raises(JaxparError, match="kv_heads must split evenly"):  # 4 key/value heads over 8 tensor shards
+        Decoder(_with_weights(loud_weights), layout=build_layout(parse_strategy("tensor=8,delay=1", 8)))

@@ -7,6 +7,7 @@ A strategy string names mesh-axis degrees and options, e.g.::
     "data=2,fsdp=4"                HSDP: shard inside groups of 4, replicate across 2 groups
     "data=2,tensor=4,sp=on"        DP x TP with sequence parallelism
     "tensor=4,delay=1"             delayed TP: each sublayer's all-reduce read one sublayer later
+    "tensor=4,sp=on,tp_overlap=on" collective matmul: SP's gathers and reductions as rings under the matmuls
     "fsdp=8,regather=on"           FSDP that gathers weights again for the backward pass
     "fsdp=8,param_shards=4"        hierarchical ZeRO: weights split in groups of 4, the rest over 8
     "fsdp=4,context=2"             FSDP x context parallelism (ring attention over 2 devices)
@@ -37,10 +38,10 @@ import warnings
 
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import SpecError
-from jaxpar.parallel import block, context, data, delayed, expert, fsdp, hierarchical_zero, sequence, stage, tensor
+from jaxpar.parallel import block, context, data, delayed, expert, fsdp, hierarchical_zero, overlap, sequence, stage, tensor
 from jaxpar.rules import LOGICAL_AXES, Layout
 
-STRATEGIES = (stage, data, hierarchical_zero, fsdp, expert, block, context, tensor, sequence, delayed)
+STRATEGIES = (stage, data, hierarchical_zero, fsdp, expert, block, context, tensor, sequence, delayed, overlap)
 OPTIONS = {key: (module, *parse) for module in STRATEGIES for key, parse in module.OPTIONS.items()}
 ACTIVATION_AXES = ("batch", "length", "residual_length")  # logical axes no weight has
 
@@ -142,4 +143,5 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
         mesh, compute, stored["param"], stored["optimizer"], stored["grad"], regather=strategy.regather, dcn_axes=dcn_axes,
         replicable=tensor.REPLICABLE, context_ring=ring, context_a2a=a2a, diffusion_blocks=block.diffusion_axes(strategy),
         diffusion_fetch=strategy.options["clean_kv"] == "fetch", delayed=delayed.delayed_axes(strategy),
+        overlapped=overlap.overlapped_axes(strategy),
     )

@@ -1,0 +1,45 @@
+"""Collective matmul, the option ``tp_overlap=on`` of tensor parallelism with sequence parallelism.
+
+Under Megatron SP each block's input is all-gathered along the sequence before its column-parallel
+matmuls, and its row-parallel output reduce-scattered after. With ``tp_overlap=on`` neither
+collective runs whole: the all-gather becomes a ring of ``ppermute``s of sequence chunks, each
+chunk's matmuls computed while the next chunk travels, and the reduce-scatter a ring that carries
+partial sums, each hop's matmul computed while the previous hop's sum travels. The ring runs both
+ways at once, half of each chunk each way (``jaxpar.nn.enter_block(..., then=)`` and
+``jaxpar.nn.reduce_partial(..., project=)``). The bytes are the all-gather's and reduce-scatter's.
+"""
+
+from jaxpar.errors import SpecError
+from jaxpar.mesh import parse_flag
+
+AXES: tuple[str, ...] = ()  # it runs over tensor's axis
+CROSSES_DCN = False
+OPTIONS = {"tp_overlap": (parse_flag, False)}
+
+
+def check(strategy):
+    if not strategy.options["tp_overlap"]:
+        return
+    if strategy.degrees["tensor"] == 1:
+        raise SpecError(f"tp_overlap=on overlaps tensor parallelism's collectives with its matmuls, but strategy {strategy} "
+                        f"has tensor=1; add tensor=N,sp=on")
+    if not strategy.options["sp"]:
+        raise SpecError(f"tp_overlap=on decomposes sequence parallelism's all-gather and reduce-scatter into rings, but "
+                        f"strategy {strategy} has sp=off; add sp=on")
+
+
+def rules(strategy, compute: dict, stored: dict):
+    """Nothing of its own: weights and activations are laid out as under TP with SP."""
+
+
+def overlapped_axes(strategy) -> tuple[str, ...]:
+    """Mesh axes whose block-entry gathers and exit reductions run as rings of ppermutes."""
+    return ("tensor",) if strategy.options["tp_overlap"] else ()
+
+
+def traffic(strategy, ctx) -> dict:
+    return {}
+
+
+def memory(strategy, mesh) -> dict:
+    return {}
