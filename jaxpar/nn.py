@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxpar.collectives import collective_matmul
 from jaxpar.errors import LayoutError
 from jaxpar.rules import _ACTIVE, _CALLS, Layout, Names, _called, stored_table, varying_axes
 
@@ -52,25 +53,33 @@ def constrain(x, names: Names):
     return jax.lax.with_sharding_constraint(x, active.layout.sharding(names, shape=x.shape))
 
 
-def enter_block(x, src: Names, dst: Names):
+def enter_block(x, src: Names, dst: Names, then=None):
     """Move ``x`` from layout ``src`` to ``dst`` where ``dst`` shards less (e.g. the sequence-parallel
     residual stream entering an attention or MLP block): all-gathers the dims that lose mesh axes.
+    With ``then`` (the block's first, column-parallel matmuls, acting on each position alone):
+    ``then`` of the result, which collective matmul (``tp_overlap=on``) computes chunk by chunk as
+    the gather's ring brings them.
 
     In jaxpar's step, refuses an ``x`` that differs across a model-parallel mesh axis none of its
     ``src`` dims is split over: it holds a partial sum that was never finished (see ``_unfinished``)."""
     _check_rank(x, dst)
+    then = then or (lambda h: h)
     layout = _manual_layout("enter_block")
     if layout is None:
-        return constrain(x, dst)
+        return then(constrain(x, dst))
     _refuse_unfinished_sum(x, src, layout, "enter_block")
-    for dim, (s, d) in enumerate(zip(src, dst)):
-        lost = tuple(a for a in layout.axes_of(s) if a not in layout.axes_of(d))
-        if lost:
-            x = jax.lax.all_gather(x, lost, axis=dim, tiled=True)
     # The block's work is split over every mesh axis; marking x as varying once here makes the
     # backward pass sum x's gradient in one all-reduce (Megatron's f), not one per use of x.
     split = tuple(a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1 and a not in varying_axes(x))
-    return jax.lax.pcast(x, split, to="varying") if split else x
+    x = jax.lax.pcast(x, split, to="varying") if split else x
+    ring = None
+    for dim, (s, d) in enumerate(zip(src, dst)):
+        lost = tuple(a for a in layout.axes_of(s) if a not in layout.axes_of(d))
+        if lost and lost == layout.overlap_axes[:1] and ring is None:
+            ring = (lost[0], dim)  # gathered by the ring, under then's matmuls
+        elif lost:
+            x = jax.lax.all_gather(x, lost, axis=dim, tiled=True)
+    return then(x) if ring is None else collective_matmul.gather_then(x, then, *ring)
 
 
 def _refuse_unfinished_sum(x, names: Names, layout: Layout, where: str):
@@ -120,22 +129,30 @@ def _origin(x, axis: str) -> str | None:
     return None
 
 
-def reduce_partial(x, contracted: Sequence[str], dst: Names):
+def reduce_partial(x, contracted: Sequence[str], dst: Names, project=None):
     """``x`` holds partial sums because logical axes ``contracted`` were summed away while sharded
-    (a row-parallel matmul); finish the sum and lay the result out as ``dst``.
+    (a row-parallel matmul); finish the sum and lay the result out as ``dst``. With ``project``
+    (the row-parallel matmul itself, acting on each position alone): the finished sum of
+    ``project(x)``, which collective matmul (``tp_overlap=on``) computes hop by hop of its ring.
 
     Reduce-scatters along a ``dst`` dim that the summed mesh axes shard (Megatron sequence
     parallelism), all-reduces otherwise (Megatron tensor parallelism)."""
-    _check_rank(x, dst)
     layout = _manual_layout("reduce_partial")
-    if layout is None:
-        return constrain(x, dst)
+    if layout is None or project is None:
+        x, project = (x if project is None else project(x)), None
+        _check_rank(x, dst)
+        if layout is None:
+            return constrain(x, dst)
     pending = [a for name in contracted for a in layout.axes_of(name)]
     for dim, name in enumerate(dst):
         scatter = tuple(a for a in layout.axes_of(name) if a in pending)
-        if scatter:
-            x = jax.lax.psum_scatter(x, scatter, scatter_dimension=dim, tiled=True)
-            pending = [a for a in pending if a not in scatter]
+        if scatter and scatter == layout.overlap_axes[:1] and project is not None:
+            x, project = collective_matmul.project_then_scatter(x, project, scatter[0], dim), None
+        elif scatter:
+            x = jax.lax.psum_scatter(x if project is None else project(x), scatter, scatter_dimension=dim, tiled=True)
+            project = None
+        pending = [a for a in pending if a not in scatter]
+    x = x if project is None else project(x)
     return jax.lax.psum(x, tuple(pending)) if pending else x
 
 
@@ -173,10 +190,10 @@ def _vary_everywhere(x):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def residual_add(x, partial, contracted: Sequence[str], names: Names, pending=None):
+def residual_add(x, partial, contracted: Sequence[str], names: Names, pending=None, project=None):
     """``(x + the finished sum of partial, pending)`` for a sublayer's output ``partial`` (partial
-    sums over the sharded logical axes ``contracted``, as ``reduce_partial`` takes them) and the
-    residual stream ``x`` laid out as ``names``.
+    sums over the sharded logical axes ``contracted``, as ``reduce_partial`` takes them; with
+    ``project``, of ``project(partial)``) and the residual stream ``x`` laid out as ``names``.
 
     Under delayed tensor parallelism (``pending`` from ``start_delayed``): each device adds its own
     ``partial`` at once and the other devices' share of ``pending`` (the previous sublayer's
@@ -188,7 +205,8 @@ def residual_add(x, partial, contracted: Sequence[str], names: Names, pending=No
         if axes:
             raise LayoutError("residual_add under delay=1 needs the pending partial sum: start the residual stream with "
                               "jaxpar.nn.start_delayed and carry what residual_add returns from sublayer to sublayer")
-        return x + reduce_partial(partial, contracted, names), None
+        return x + reduce_partial(partial, contracted, names, project), None
+    partial = partial if project is None else project(partial)
     summed = sorted({a for name in contracted for a in _ACTIVE.get().layout.axes_of(name)})
     if summed != sorted(axes):
         raise LayoutError(f"residual_add: the partial sums over logical axes {tuple(contracted)} are split over mesh axes "

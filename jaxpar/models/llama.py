@@ -204,12 +204,11 @@ def _layers_cached(x, layers, cfg, positions, mask, cache=None):
 
 
 def _logits(x, head, cfg):
-    h = enter_block(_rms_norm(x, head["final_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
     if cfg.tie_embeddings:
-        logits = jnp.einsum("ble,ve->blv", h, head["embedding"])
+        project = lambda h: jnp.einsum("ble,ve->blv", h, head["embedding"])  # noqa: E731
     else:
-        logits = jnp.einsum("ble,ev->blv", h, head["unembedding"])
-    return constrain(logits, LOGITS)
+        project = lambda h: jnp.einsum("ble,ev->blv", h, head["unembedding"])  # noqa: E731
+    return constrain(enter_block(_rms_norm(x, head["final_norm"], cfg.norm_eps), RESIDUAL, BLOCK, then=project), LOGITS)
 
 
 def _rms_norm(x, scale, eps):
@@ -229,20 +228,23 @@ def _rope(x, positions, theta):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _attention(h, w, cfg, positions, mask, past=None):
-    """(attention output, (keys, values) of these positions); ``past``: the (keys, values) of
-    earlier positions (a KV cache), attended to before these positions' own."""
-    q = _rope(jnp.einsum("ble,ehd->blhd", h, w["wq"]), positions, cfg.rope_theta)
+def _projections(h, w, cfg):
+    """The queries, keys and values of block input ``h`` (batch, length, embed), before RoPE: each
+    position's alone (collective matmul computes them chunk by chunk: ``jaxpar.nn.enter_block``)."""
+    q = jnp.einsum("ble,ehd->blhd", h, w["wq"])
     wk, wv = _kv_for_local_heads(w["wk"], w["wv"], cfg, q.shape[2])
-    k = _rope(jnp.einsum("ble,ekd->blkd", h, wk), positions, cfg.rope_theta)
-    v = jnp.einsum("ble,ekd->blkd", h, wv)
-    q = constrain(q, ("batch", "length", "heads", "head_dim"))
-    k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+    return q, jnp.einsum("ble,ekd->blkd", h, wk), jnp.einsum("ble,ekd->blkd", h, wv)
+
+
+def _attention(q, k, v, cfg, positions, mask, past=None):
+    """(attention output per head, (keys, values) of these positions); ``past``: the (keys,
+    values) of earlier positions (a KV cache), attended to before these positions' own."""
+    q = constrain(_rope(q, positions, cfg.rope_theta), ("batch", "length", "heads", "head_dim"))
+    k = constrain(_rope(k, positions, cfg.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
     own = (k, v)
     if past is not None:
         k, v = (jnp.concatenate([cached, new], axis=1) for cached, new in zip(past, own))
-    out = constrain(attention(q, k, v, mask), ("batch", "length", "heads", "head_dim"))
-    return jnp.einsum("blhd,hde->ble", out, w["wo"]), own
+    return constrain(attention(q, k, v, mask), ("batch", "length", "heads", "head_dim")), own
 
 
 def _kv_for_local_heads(wk, wv, cfg, local_heads: int):
@@ -259,11 +261,14 @@ def _kv_for_local_heads(wk, wv, cfg, local_heads: int):
 
 def _block(x, pending, w, cfg, positions, mask, past=None):
     """((the layer's output, the partial sum it leaves pending), its (keys, values)); ``pending``:
-    what the previous layer left (``jaxpar.nn.residual_add``); ``past`` as ``_attention`` takes it."""
-    h = enter_block(_rms_norm(x, w["attn_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
-    attended, kv = _attention(h, w, cfg, positions, mask, past)
-    x, pending = residual_add(x, attended, ("heads", "head_dim"), RESIDUAL, pending)
-    h = enter_block(_rms_norm(x, w["mlp_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
-    act = jax.nn.silu(jnp.einsum("ble,em->blm", h, w["w_gate"])) * jnp.einsum("ble,em->blm", h, w["w_up"])
+    what the previous layer left (``jaxpar.nn.residual_add``); ``past`` as ``_attention`` takes it.
+    Each block's first matmuls are ``enter_block``'s ``then`` and its last ``residual_add``'s
+    ``project``, so that collective matmul can cut them by position."""
+    qkv = enter_block(_rms_norm(x, w["attn_norm"], cfg.norm_eps), RESIDUAL, BLOCK, then=lambda h: _projections(h, w, cfg))
+    attended, kv = _attention(*qkv, cfg, positions, mask, past)
+    x, pending = residual_add(x, attended, ("heads", "head_dim"), RESIDUAL, pending,
+                              project=lambda out: jnp.einsum("blhd,hde->ble", out, w["wo"]))
+    act = enter_block(_rms_norm(x, w["mlp_norm"], cfg.norm_eps), RESIDUAL, BLOCK,
+                      then=lambda h: jax.nn.silu(jnp.einsum("ble,em->blm", h, w["w_gate"])) * jnp.einsum("ble,em->blm", h, w["w_up"]))
     act = constrain(act, ("batch", "length", "mlp"))
-    return residual_add(x, jnp.einsum("blm,me->ble", act, w["w_down"]), ("mlp",), RESIDUAL, pending), kv
+    return residual_add(x, act, ("mlp",), RESIDUAL, pending, project=lambda a: jnp.einsum("blm,me->ble", a, w["w_down"])), kv
