@@ -231,7 +231,38 @@ def _generate_parser(sub):
     p.add_argument("--topology", default="cpu-1", help="devices to run on (default one CPU device)")
     p.add_argument("--strategy", help='a layout for the weights, e.g. "tensor=2" or "data=2,tensor=4" (default: one device)')
     p.add_argument("--json", metavar="PATH", help="write the tokens, the text and the time as JSON")
+    p.add_argument("--permutation", metavar="PATH", help="a Llama: place heads and MLP columns on the tensor shards as this "
+                                                        "file of `jaxpar affinity` says (for delay=1)")
     return p
+
+
+def _affinity_parser(sub):
+    p = sub.add_parser("affinity", help="choose which heads and MLP columns each tensor shard holds for delayed TP "
+                                        "(affinity-aware sharding) from a Llama checkpoint; write the permutation")
+    p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="a --checkpoint-dir of jaxpar train (a Llama)")
+    p.add_argument("--tensor", type=int, required=True, help="the tensor degree the model will be served under")
+    p.add_argument("--out", required=True, metavar="PATH", help="where to write the permutation (JSON)")
+    p.add_argument("--method", default="affinity", help="affinity (default), random or identity")
+    p.add_argument("--seed", type=int, default=0, help="the random assignment's seed")
+    return p
+
+
+def _affinity(args) -> int:
+    from jaxpar import affinity
+    from jaxpar.serve import common
+    from jaxpar.train.loop import check_writable
+
+    check_writable(args.out, "--out")
+    model, meta = common.restore_model(args.checkpoint_dir, "llama")
+    weights, cfg = affinity.weights_of(model), model.cfg
+    chosen = affinity.assign(weights, cfg, args.tensor, args.method, args.seed)
+    affinity.save(chosen, args.out, meta["model"], cfg)
+    print(f"{meta['model']} checkpoint {meta['step']}, tensor={args.tensor}: coupling between consecutive sublayers kept "
+          f"on one device (seen at once under delay=1)")
+    for method in affinity.METHODS:
+        kept = affinity.kept_coupling(weights, cfg, chosen if method == args.method else affinity.assign(weights, cfg, args.tensor, method, args.seed))
+        print(f"  {method:9s} {100 * kept:6.2f}%{'   <- written to ' + args.out if method == args.method else ''}")
+    return EXIT_OK
 
 
 def _generate(args) -> int:
@@ -255,7 +286,7 @@ def _generate(args) -> int:
         except (OSError, UnicodeDecodeError) as err:
             raise JaxparError(f"--prompts-file {args.prompts_file!r} cannot be read as UTF-8 text: {err}") from None
     family = common.checkpoint_family(args.checkpoint_dir)
-    wrong = {"llama": ("--new-blocks", "--denoise-steps"), "bd3lm": ("--max-new-tokens", "--prompts-file")}[family]
+    wrong = {"llama": ("--new-blocks", "--denoise-steps"), "bd3lm": ("--max-new-tokens", "--prompts-file", "--permutation")}[family]
     given = [flag for flag in wrong if getattr(args, flag[2:].replace("-", "_")) is not None]
     if given:
         raise JaxparError(f"{given[0]} is for {'block diffusion models' if family == 'llama' else 'a Llama'}; the checkpoint holds "
@@ -281,7 +312,8 @@ def _generate_llama(args, prompts, layout, began) -> int:
     new = 64 if args.max_new_tokens is None else args.max_new_tokens
     check_at_least("--max-new-tokens", new, 1)
     outs, decoded = decoder.generate_from_checkpoint(args.checkpoint_dir, prompts, new, temperature=args.temperature,
-                                                     top_p=args.top_p, seed=args.seed, layout=layout)
+                                                     top_p=args.top_p, seed=args.seed, layout=layout,
+                                                     permutation=args.permutation)
     seconds = time.perf_counter() - began
     for out in outs:
         print(out.text)
@@ -493,6 +525,7 @@ def main(argv=None) -> int:
     _checkpoints_parser(sub)
     _check_parser(sub)
     _generate_parser(sub)
+    _affinity_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -500,7 +533,7 @@ def main(argv=None) -> int:
     from jaxpar.errors import JaxparError, JobFailed
 
     command = {"train": _train, "bench": _bench, "compile": _compile, "launch": _launch, "checkpoints": _checkpoints,
-               "check": _check, "generate": _generate}[args.command]
+               "check": _check, "generate": _generate, "affinity": _affinity}[args.command]
     message = None
     with _sigterm_raises():
         try:

@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxpar import affinity
 from jaxpar.analysis import hlo
 from jaxpar.errors import JaxparError, LayoutError, SpecError
 from jaxpar.models import llama
@@ -188,3 +189,39 @@ def test_bad_input_is_refused_in_words(loud_weights):
         trainer.step(trainer.init(seed=0), trainer.put_batch(np.zeros((16, 32), np.float32)))
     with pytest.raises(JaxparError, match="kv_heads must split evenly"):  # 4 key/value heads over 8 tensor shards
         Decoder(_with_weights(loud_weights), layout=build_layout(parse_strategy("tensor=8,delay=1", 8)))
+
+
+def test_a_permuted_model_is_the_same_function_under_tp_and_a_different_one_under_dtp(loud_weights):
+    cfg = TINY
+    for shards in (2, 4):
+        chosen = affinity.assign(loud_weights, cfg, shards)
+        for order in (*chosen.groups, *chosen.columns):  # every unit once, each device an equal share
+            assert sorted(order) == list(range(len(order)))
+        permuted = affinity.permute(loud_weights, cfg, chosen)
+        back = affinity.permute(permuted, cfg, chosen, inverse=True)
+        jax.tree.map(np.testing.assert_array_equal, back, loud_weights)
+        ids = jnp.asarray(np.arange(24, dtype=np.int32)[None] * 7 % 256)
+        with jax.default_device(jax.devices()[0]):
+            tp = [_with_weights(w)(ids) for w in (loud_weights, permuted)]
+            np.testing.assert_allclose(tp[1], tp[0], rtol=1e-4, atol=1e-4)  # heads and columns only change places
+            dtp = [jax.jit(simulated_logits, static_argnums=2)(w, ids, shards) for w in (loud_weights, permuted)]
+            assert np.abs(np.asarray(dtp[1]) - np.asarray(dtp[0])).max() > 1e-2  # who sits with whom matters under DTP
+        kept = {m: affinity.kept_coupling(loud_weights, cfg, affinity.assign(loud_weights, cfg, shards, m)) for m in affinity.METHODS}
+        assert kept["affinity"] > max(kept["random"], kept["identity"])
+
+
+def test_a_permutation_file_is_checked_against_the_model(tmp_path, loud_weights):
+    chosen = affinity.assign(loud_weights, TINY, 2)
+    path = str(tmp_path / "p.json")
+    affinity.save(chosen, path, "tiny", TINY)
+    loaded = affinity.load(path, "tiny", TINY)
+    np.testing.assert_array_equal(loaded.columns, chosen.columns)
+    wider = llama.LlamaConfig(**{**TINY.__dict__, "mlp": 512})
+    with pytest.raises(JaxparError, match="mlp 384 there, 512 here"):
+        affinity.load(path, "mine", wider)
+    with open(path, "w") as f:
+        f.write('{"model": "tiny"')
+    with pytest.raises(JaxparError, match="cannot read the permutation file"):
+        affinity.load(path, "tiny", TINY)
+    with pytest.raises(JaxparError, match="do not split evenly over 8 tensor shards"):
+        affinity.assign(loud_weights, TINY, 8)

@@ -142,3 +142,29 @@ def test_jaxpar_generate_continues_each_prompt_of_a_file(trained, tmp_path, caps
     assert len(written["step_seconds"]) == 8 and written["tokens_per_second"] > 0
     assert cli.main([*argv[:3], "--prompt", "The ", "--new-blocks", "2"]) == cli.EXIT_BAD_INPUT
     assert "--new-blocks is for block diffusion models" in capsys.readouterr().err
+
+
+def test_jaxpar_affinity_writes_a_permutation_that_generate_applies_under_delay(trained, tmp_path, capsys):
+    from jaxpar import affinity, cli
+
+    perm = str(tmp_path / "perm.json")
+    assert cli.main(["affinity", "--checkpoint-dir", trained, "--tensor", "2", "--out", perm]) == cli.EXIT_OK
+    printed = capsys.readouterr().out
+    assert "affinity" in printed and "random" in printed and "identity" in printed
+    argv = ["generate", "--checkpoint-dir", trained, "--prompt", "The ", "--max-new-tokens", "6", "--strategy",
+            "data=2,tensor=2,delay=1", "--topology", "cpu-4", "--permutation", perm, "--json", str(tmp_path / "out.json")]
+    with pytest.warns(UserWarning, match="served with delay=1"):  # trained as TP
+        assert cli.main(argv) == cli.EXIT_OK, capsys.readouterr().err
+    # the same as the decoder on the weights permuted by hand, under the same layout
+    model, meta = common.restore_model(trained, "llama")
+    affinity.permute_model(model, affinity.load(perm, meta["model"], model.cfg))
+    layout = build_layout(parse_strategy("data=2,tensor=2,delay=1", 4), jax.devices()[:4])
+    expected = Decoder(model, layout=layout, vocab=256).generate([common.encode_text("The ")], 6).tokens[0]
+    assert json.loads((tmp_path / "out.json").read_text())["prompts"][0]["tokens"] == [int(t) for t in expected]
+    capsys.readouterr()
+    # a permutation made for another model is refused before any weight is read
+    other = llama.CONFIGS["llama-1b"]
+    made = affinity.Permutation(2, np.tile(np.arange(other.kv_heads), (other.layers, 1)), np.tile(np.arange(other.mlp), (other.layers, 1)))
+    affinity.save(made, str(tmp_path / "other.json"), "llama-1b", other)
+    assert cli.main([*argv[:-2], "--permutation", str(tmp_path / "other.json")]) == cli.EXIT_BAD_INPUT
+    assert "was made for model 'llama-1b', whose shape differs from that of 'tiny'" in capsys.readouterr().err

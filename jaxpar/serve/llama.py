@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import affinity
 from jaxpar.attention import DEFAULT_BLOCK
 from jaxpar.errors import JaxparError
 from jaxpar.models.llama import LOGITS, LlamaConfig
@@ -200,11 +202,13 @@ def _entry(axes: tuple[str, ...]):
 
 def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.0,
                              top_p: float = 1.0, seed: int = 0, max_length: int | None = None, layout: Layout | None = None,
-                             step: int | None = None) -> tuple[list[Generated], Decoded]:
+                             step: int | None = None, permutation: str | None = None) -> tuple[list[Generated], Decoded]:
     """Continue each of ``prompts`` (text) by ``max_new_tokens`` byte tokens from the weights of a
     ``jaxpar train`` checkpoint of a Llama, as ``Decoder.generate`` does on their UTF-8 bytes:
     (one ``Generated`` per prompt, the decoding's ``Decoded``). ``max_length``: default the run's
-    ``--seq-len`` (positions beyond it were never trained on; pass a larger one to go further)."""
+    ``--seq-len`` (positions beyond it were never trained on; pass a larger one to go further).
+    ``permutation``: a file of ``jaxpar affinity`` whose order of heads and MLP columns the weights
+    take when loaded (the checkpoint keeps its own)."""
     check_pick(temperature, top_p)
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise JaxparError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
@@ -220,7 +224,20 @@ def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_to
             raise JaxparError(f"a prompt of {longest} tokens and {max_new_tokens} new ones make {longest + max_new_tokens} tokens, "
                               f"more than {bound} ({what}): shorten the prompt or ask for fewer tokens")
 
-    model, meta = restore_model(checkpoint_dir, "llama", layout=layout, step=step, check_meta=check)
+    def check_all(meta, cfg):
+        check(meta, cfg)
+        if permutation is not None:
+            loaded.append(affinity.load(permutation, meta["model"], cfg))
+        trained, served = "delay=1" in meta["strategy"].split(","), bool(layout is not None and layout.delay_axes)
+        if trained != served:
+            warnings.warn(f"checkpoint of {meta['model']} trained under {meta['strategy']!r} is served "
+                          f"{'with' if served else 'without'} delay=1: delayed TP computes a different function from TP, "
+                          f"so the text may be worse than the model's held-out loss says", stacklevel=3)
+
+    loaded: list = []
+    model, meta = restore_model(checkpoint_dir, "llama", layout=layout, step=step, check_meta=check_all)
+    if loaded:
+        affinity.permute_model(model, loaded[0])
     decoded = Decoder(model, layout=layout, vocab=BYTE_VOCAB).generate(encoded, max_new_tokens, temperature=temperature,
                                                                        top_p=top_p, seed=seed)
     return [Generated(decode_tokens(t), decode_tokens(t[len(e):]), t, len(e), meta["model"], meta["step"])
