@@ -10,6 +10,8 @@ import pytest
 
 from jaxpar import cli
 from jaxpar.report import step_report
+from jaxpar.serve.llama import generate_from_checkpoint
+from jaxpar.train.checkpoint import CheckpointConfig
 from jaxpar.topology import load_topology
 from jaxpar.train.loop import RunConfig, run_training
 
@@ -19,8 +21,14 @@ TRAIN = ["train", "--strategy", "fsdp=4,tensor=2", "--steps", "80", "--batch-siz
 
 
 @pytest.fixture(scope="module")
-def report():
-    return run_training(RUN, load_topology("cpu-8"), progress=None, analyze=step_report)
+def checkpoint_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("main") / "run")
+
+
+@pytest.fixture(scope="module")
+def report(checkpoint_dir):
+    return run_training(RUN, load_topology("cpu-8"), progress=None, analyze=step_report,
+                        checkpoint=CheckpointConfig(checkpoint_dir, every=RUN.steps))
 
 
 def test_loss_falls_clearly(report):
@@ -40,6 +48,19 @@ def test_report_measures_against_the_formulas(report):
         assert report["communication"][kind]["ratio"] == pytest.approx(1.0, abs=0.02)
     assert len(report["step_times_s"]) == report["steps"] == 80
     assert report["tokens_per_s"] > 0
+    # Megatron TP: each forward sublayer's all-reduce is waited on by the next (delayed TP: none is)
+    assert report["tensor"] == {"delayed": False, "axes": ["tensor"], "all_reduces_per_layer": 2, "blocking_per_layer": 2}
+
+
+def test_the_checkpoint_continues_text_of_the_corpus_kind(report, checkpoint_dir):
+    # the corpus is English prose and Python (train/data.py): after 80 steps greedy decoding already
+    # writes printable ASCII with spaces between words, not arbitrary bytes
+    outs, _ = generate_from_checkpoint(checkpoint_dir, ["The ", "def "], 48)
+    for out in outs:
+        text = out.continuation
+        printable = sum(c.isascii() and (c.isprintable() or c in "\n\t") for c in text)
+        assert printable >= 0.95 * len(text) and " " in text, repr(text)
+        assert sum(c.isalpha() for c in text) >= 0.5 * len(text), repr(text)  # letters, as the corpus's words
 
 
 # `jaxpar train` that waits after step N until its stdin gets a line: the test signals it there, so

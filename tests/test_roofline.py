@@ -216,3 +216,20 @@ def test_published_runs_within_a_stated_error(run):
           f"({100 * error:+.2f} points, {'calibration' if run.calibrates else 'held out'}); step {est.step_s:.2f} s")
     assert est.fits
     assert abs(error) <= (CALIBRATED_BOUND if run.calibrates else HELD_OUT_BOUND), f"{100 * error:+.2f} MFU points"
+
+
+def test_decode_latency_is_weight_streaming_plus_the_all_reduces_tp_waits_on():
+    # 8B on one H100 node under tensor=8, 1024 cached tokens, bf16, 10 us per small all-reduce, by hand
+
+    cfg, topology, latency = llama.CONFIGS["llama3-8b"], load_topology("gpu-h100-8"), 10e-6
+    attention = (4096 * 4096 * 2 + 4096 * 1024 * 2) * 2 / 8 + 2 * 1024 * 8 * 128 * 2 / 8  # weights + the cache's keys and values
+    mlp = 3 * 4096 * 14336 * 2 / 8
+    reduce = latency + 2 * 7 / 8 * 4096 * 2 / (2 * 25e9)  # one activation over NVLink's bidirectional ring model
+    head = 128_256 * 4096 * 2 / 8 / 3350e9 + reduce
+    tp = 32 * ((attention + mlp) / 3350e9 + 2 * reduce) + head
+    dtp = 32 * (max(attention / 3350e9, reduce) + max(mlp / 3350e9, reduce)) + head
+    assert roofline.decode_latency(cfg, topology, 8, 1024, False, latency) == pytest.approx(tp, rel=1e-12)
+    assert roofline.decode_latency(cfg, topology, 8, 1024, True, latency) == pytest.approx(dtp, rel=1e-12)
+    assert dtp < 0.7 * tp  # at this latency DTP hides most of what TP waits on
+    # with nothing to wait on, the two are the same
+    assert roofline.decode_latency(cfg, topology, 1, 1024, True, latency) == roofline.decode_latency(cfg, topology, 1, 1024, False, latency)

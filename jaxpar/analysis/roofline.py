@@ -375,3 +375,31 @@ PUBLISHED_RUNS = (
                  "AI-Hypercomputer/maxtext src/maxtext/configs/gpu/a3/llama_2_7b/README.md: 492 TFLOP/s per chip on 1x A3 "
                  "(models/gpu/llama2_7b.yml: per_device_batch_size 4, minimal_with_context)", calibrates=True),
 )
+
+
+def decode_latency(cfg: LlamaConfig, topology: Topology, tensor: int, context: int, delayed: bool,
+                   all_reduce_latency_s: float, weight_bytes: int = 2) -> float:
+    """Seconds per new token when decoding one sequence (batch 1) under tensor parallelism over
+    ``tensor`` chips, with ``context`` tokens in the KV cache: a roofline of weight streaming.
+
+    At batch 1 every sublayer is bound by reading its weights (and attention by reading the cache)
+    from HBM; its FLOPs are negligible. Each sublayer's all-reduce of one (embed,) activation costs
+    ``all_reduce_latency_s`` (the fixed cost of a small collective, which the link bandwidth adds
+    little to) plus its bytes over ``collective_seconds``. Under TP the next sublayer waits for it;
+    under delayed TP (``delayed``) it runs while the next sublayer streams its weights, so a
+    sublayer costs the longer of the two. The output layer's vocabulary shards are gathered as one
+    more all-reduce. Not modelled: kernel launch gaps, the embedding lookup, sampling."""
+    e, k, d = cfg.embed, cfg.kv_heads, cfg.head_dim
+    attention_weights = e * (cfg.heads * d) * 2 + e * (k * d) * 2
+    attention_bytes = (attention_weights * weight_bytes + 2 * context * k * d * weight_bytes) / tensor
+    mlp_bytes = 3 * e * cfg.mlp * weight_bytes / tensor
+    sum_bytes = 2 * (tensor - 1) / tensor * e * weight_bytes
+    all_reduce = all_reduce_latency_s + collective_seconds("all-reduce", sum_bytes, False, topology) if tensor > 1 else 0.0
+    stream = lambda b: b / topology.hbm_bandwidth  # noqa: E731
+    sublayers = [stream(attention_bytes), stream(mlp_bytes)] * cfg.layers
+    if delayed:
+        layers_s = sum(max(s, all_reduce) for s in sublayers)
+    else:
+        layers_s = sum(s + all_reduce for s in sublayers)
+    head_s = stream(cfg.vocab_size * e * weight_bytes / tensor) + (all_reduce if tensor > 1 else 0.0)
+    return layers_s + head_s

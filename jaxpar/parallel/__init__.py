@@ -12,6 +12,7 @@ A strategy string names mesh-axis degrees and options, e.g.::
     "fsdp=8,param_shards=4"        hierarchical ZeRO: weights split in groups of 4, the rest over 8
     "fsdp=4,context=2"             FSDP x context parallelism (ring attention over 2 devices)
     "fsdp=2,block=4"               FSDP x block parallelism (a block diffusion model's noisy blocks over 4)
+    "tp_x=2,tp_y=2,fsdp=2"         AxoNN's 4D TP: embed over tp_x, heads/mlp/vocab over tp_y, Z = fsdp
 
 Each strategy is one module of this package and holds everything it is:
 
@@ -38,10 +39,10 @@ import warnings
 
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import SpecError
-from jaxpar.parallel import block, context, data, delayed, expert, fsdp, hierarchical_zero, overlap, sequence, stage, tensor
+from jaxpar.parallel import axonn, block, context, data, delayed, expert, fsdp, hierarchical_zero, overlap, sequence, stage, tensor
 from jaxpar.rules import LOGICAL_AXES, Layout
 
-STRATEGIES = (stage, data, hierarchical_zero, fsdp, expert, block, context, tensor, sequence, delayed, overlap)
+STRATEGIES = (stage, data, hierarchical_zero, fsdp, expert, block, context, axonn, tensor, sequence, delayed, overlap)
 OPTIONS = {key: (module, *parse) for module in STRATEGIES for key, parse in module.OPTIONS.items()}
 ACTIVATION_AXES = ("batch", "length", "residual_length")  # logical axes no weight has
 

@@ -199,6 +199,13 @@ class Trainer:
         ``reduce_partial``, ``enter_block``, ``cross_entropy``...): the step runs in one shard_map and
         every collective is placed on purpose, at the analytic optimum. ``gspmd`` when it makes no
         such call (a model written for plain Flax): XLA's partitioner places them (``gspmd.py``)."""
+        # a model width split while computing (AxoNN's tp_x) only XLA's partitioner can run: jaxpar's
+        # manual step keeps ``embed`` whole inside a block (a model's norm takes its mean locally)
+        width_axes = self.layout.axes_of("embed")
+        if width_axes and self.cfg.path == "manual":
+            raise LayoutError(f"path='manual' was asked for, but the layout splits the model width (embed) over "
+                              f"{'/'.join(width_axes)} while computing, which only the GSPMD path runs (jaxpar's manual "
+                              f"step keeps embed whole inside a block); use path='auto' or 'gspmd', or tp_x=1")
         if self._path_decided or self.cfg.path == "manual":
             return self.path
         avals = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
@@ -226,7 +233,12 @@ class Trainer:
                 f"it would train as plain TP. Carry the residual stream with jaxpar.nn.start_delayed, residual_add and "
                 f"finish_delayed (as jaxpar.models.llama does), or drop delay=1")
         if self.path is None:
-            if used or self.pipeline is not None:
+            if width_axes:
+                self.path = "gspmd"
+                self.path_reason = (f"the layout splits the model width (embed) over {'/'.join(width_axes)} while computing "
+                                    f"(AxoNN's tp_x), which jaxpar's manual step does not: XLA's partitioner places the "
+                                    f"collectives (GSPMD), the model's constraints holding its layout")
+            elif used or self.pipeline is not None:
                 self.path = "manual"
                 self.path_reason = (f"the model calls jaxpar's {', '.join(used)}: one shard_map, every collective placed by jaxpar"
                                     if used else "the layout pipelines the model's layers")
