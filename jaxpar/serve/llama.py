@@ -229,6 +229,10 @@ def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_to
         if permutation is not None:
             loaded.append(affinity.load(permutation, meta["model"], cfg))
         trained, served = "delay=1" in meta["strategy"].split(","), bool(layout is not None and layout.delay_axes)
+        if trained and permutation is not None:
+            warnings.warn(f"checkpoint of {meta['model']} was trained under {meta['strategy']!r} with its heads and MLP "
+                          f"columns where they are: the permutation changes what each device sees late, so the model served "
+                          f"is not the one trained (choose a permutation for a model trained as TP)", stacklevel=3)
         if trained != served:
             warnings.warn(f"checkpoint of {meta['model']} trained under {meta['strategy']!r} is served "
                           f"{'with' if served else 'without'} delay=1: delayed TP computes a different function from TP, "
