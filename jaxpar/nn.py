@@ -70,8 +70,7 @@ def enter_block(x, src: Names, dst: Names, then=None):
     _refuse_unfinished_sum(x, src, layout, "enter_block")
     # The block's work is split over every mesh axis; marking x as varying once here makes the
     # backward pass sum x's gradient in one all-reduce (Megatron's f), not one per use of x.
-    split = tuple(a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1 and a not in varying_axes(x))
-    x = jax.lax.pcast(x, split, to="varying") if split else x
+    x = _vary_everywhere(x, layout)
     ring = None
     for dim, (s, d) in enumerate(zip(src, dst)):
         lost = tuple(a for a in layout.axes_of(s) if a not in layout.axes_of(d))
@@ -178,14 +177,15 @@ def start_delayed(x, names: Names):
     _check_rank(x, names)
     if not _delay_axes("start_delayed"):
         return x, None
-    x = _vary_everywhere(x)
-    return x, _vary_everywhere(jnp.zeros_like(x))
-
-
-def _vary_everywhere(x):
     # a sublayer's output varies over every mesh axis (enter_block makes its input so); the stream
     # it is added to, carried through a layer scan, must have the same type from the start
     layout = _ACTIVE.get().layout
+    x = _vary_everywhere(x, layout)
+    return x, _vary_everywhere(jnp.zeros_like(x), layout)
+
+
+def _vary_everywhere(x, layout: Layout):
+    """``x`` marked as differing over every mesh axis of ``layout`` (of degree above 1)."""
     missing = tuple(a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1 and a not in varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 

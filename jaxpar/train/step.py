@@ -225,13 +225,7 @@ class Trainer:
             with use_layout(self.layout), jax.sharding.use_abstract_mesh(explicit_mesh), record_model_calls() as calls:
                 jax.eval_shape(probe, avals(params), avals(batch))
         used = sorted(set(calls))
-        self._check_attention_called(used)
-        if self.layout.delay_axes and "residual_add" not in used:
-            raise LayoutError(
-                f"the layout delays tensor parallelism's sums (delay=1), but the model never adds a sublayer to its residual "
-                f"stream with jaxpar.nn.residual_add ({'it calls ' + ', '.join(used) if used else 'it makes no jaxpar call'}): "
-                f"it would train as plain TP. Carry the residual stream with jaxpar.nn.start_delayed, residual_add and "
-                f"finish_delayed (as jaxpar.models.llama does), or drop delay=1")
+        self._check_required_calls(used)
         if self.path is None:
             if width_axes:
                 self.path = "gspmd"
@@ -257,9 +251,10 @@ class Trainer:
             self._check_gspmd()
         return self.path
 
-    def _check_attention_called(self, calls):
+    def _check_required_calls(self, calls):
         """Under context parallelism, refuse a model that never called jaxpar's attention op; under
-        block parallelism, one that never took its share of a block diffusion batch."""
+        block parallelism, one that never took its share of a block diffusion batch; under delayed
+        TP, one that never added a sublayer with ``residual_add``."""
         if (self.layout.ring_axes or self.layout.a2a_axes) and "attention" not in calls:
             raise LayoutError(
                 f"the layout splits the sequence over {'/'.join(self.layout.axes_of('length'))} (context parallelism), but "
@@ -271,6 +266,13 @@ class Trainer:
                 f"parallelism), but the loss never takes this device's share of the batch "
                 f"(jaxpar.collectives.block_parallel.share, as jaxpar.models.bd3lm.loss_fn does): every device would "
                 f"compute the whole objective. Use a block diffusion model, or drop block=")
+        if self.layout.delay_axes and "residual_add" not in calls:
+            made = sorted(set(calls))
+            raise LayoutError(
+                f"the layout delays tensor parallelism's sums (delay=1), but the model never adds a sublayer to its residual "
+                f"stream with jaxpar.nn.residual_add ({'it calls ' + ', '.join(made) if made else 'it makes no jaxpar call'}): "
+                f"it would train as plain TP. Carry the residual stream with jaxpar.nn.start_delayed, residual_add and "
+                f"finish_delayed (as jaxpar.models.llama does), or drop delay=1")
 
     def _check_gspmd(self):
         """Refuse what only the manual path does."""
@@ -328,7 +330,7 @@ class Trainer:
             else:  # per-device bytes of the buffer the micro-batch loop carries (the memory report reads it)
                 losses, acc, self.accumulator_bytes = accumulate(
                     jax.value_and_grad(objective), varying, micro, lambda g: reduce(g, "micro"), plans, layout)
-        self._check_attention_called(calls)
+        self._check_required_calls(calls)
         loss = jax.lax.psum(jnp.sum(losses), layout.loss_axes) if layout.loss_axes else jnp.sum(losses)
         if self.pipeline is not None:
             return loss, reduce(reduce(acc, "micro"), "final")
