@@ -4,9 +4,9 @@ placed by affinity, on 8 simulated CPU devices.
     python examples/serve_delayed_tp.py [--steps 300] [--tensor 4] [--new-tokens 48]
 
 Trains the tiny Llama as TP (``data=2,tensor=4``) on the main job's corpus, chooses a placement of
-its units by affinity (``jaxpar.affinity``), and decodes corpus prompts greedily under TP, under TP
-with the placement, and under DTP (``tensor=4,delay=1``) with the placement. Checks its claims and
-exits non-zero if one fails: the placement leaves TP's tokens unchanged (the same function), and
+its units by affinity (``jaxpar.affinity``), and decodes corpus prompts greedily under TP and under
+DTP (``tensor=4,delay=1``) with the placement. Checks its claims and exits non-zero if one fails:
+the placement leaves the model's logits unchanged under TP (the same function, on one device), and
 in the compiled decoding step each of TP's two all-reduces per layer blocks the next sublayer while
 none of DTP's does.
 """
@@ -18,6 +18,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxpar import affinity  # noqa: E402
@@ -46,7 +47,8 @@ def main() -> int:
     state = trainer.init(seed=0)
     for step in range(args.steps):
         state, metrics = trainer.step(state, trainer.put_batch(data.batch_at(tokens, step, 16, 129, seed=0)))
-    print(f"trained as TP for {args.steps} steps: loss {float(metrics['loss']):.3f}")
+        if step == args.steps - 1:
+            print(f"trained as TP for {args.steps} steps: loss {float(metrics['loss']):.3f}")
 
     model = nnx.merge(trainer.graphdef, jax.device_get(state.params))
     weights = affinity.weights_of(model)
@@ -55,28 +57,30 @@ def main() -> int:
     print("coupling between consecutive sublayers kept on one device: " + ", ".join(f"{m} {100 * k:.1f}%" for m, k in kept.items()))
     permuted = nnx.merge(trainer.graphdef, jax.device_get(state.params))
     affinity.permute_model(permuted, placed)
+    ids = jnp.asarray(tokens[None, :64])
+    with jax.default_device(jax.devices()[0]):
+        moved = float(jnp.max(jnp.abs(permuted(ids) - model(ids))))
+    print(f"placed units, one device (TP's function): logits move by at most {moved:.2e}")
 
     prompts = [encode_text(p) for p in ("The model ", "def ")]
     devices = jax.devices()[: args.tensor]
-    runs, blocking = {}, {}
-    for name, weights_of, strategy in (("TP", model, f"tensor={args.tensor}"), ("TP, placed", permuted, f"tensor={args.tensor}"),
-                                       ("DTP, placed", permuted, f"tensor={args.tensor},delay=1")):
-        decoder = Decoder(weights_of, layout=build_layout(parse_strategy(strategy, args.tensor), devices), vocab=256)
-        runs[name] = decoder.generate(prompts, args.new_tokens)
+    blocking = {}
+    for name, served, strategy in (("TP", model, f"tensor={args.tensor}"), ("DTP, placed", permuted, f"tensor={args.tensor},delay=1")):
+        decoder = Decoder(served, layout=build_layout(parse_strategy(strategy, args.tensor), devices), vocab=256)
+        run = decoder.generate(prompts, args.new_tokens)
         blocking[name] = [loop["blocking"] for loop in hlo.blocking_collectives(decoder.compiled_step(len(prompts), 63).as_text())]
-        print(f"\n{name} ({strategy}): {runs[name].tokens_per_second:.0f} tokens/s on the simulated devices; "
+        print(f"\n{name} ({strategy}): {run.tokens_per_second:.0f} tokens/s on the simulated devices; "
               f"blocking all-reduces per layer {blocking[name]}")
-        for out in runs[name].tokens:
+        for out in run.tokens:
             print("  " + repr(decode_tokens(out)))
 
-    same = all((a == b).all() for a, b in zip(runs["TP"].tokens, runs["TP, placed"].tokens))
-    if not same:
-        print("FAILED: placing the units changed TP's tokens", file=sys.stderr)
+    if moved > 1e-4:
+        print(f"FAILED: placing the units moved TP's logits by {moved}", file=sys.stderr)
         return 1
     if blocking["TP"] != [2] or blocking["DTP, placed"] != [0]:
         print(f"FAILED: blocking all-reduces per layer {blocking}, expected TP [2] and DTP [0]", file=sys.stderr)
         return 1
-    print("\nchecked: the placement leaves TP's tokens unchanged; TP waits on 2 all-reduces per layer, DTP on none")
+    print("\nchecked: the placement leaves TP's function unchanged; TP waits on 2 all-reduces per layer, DTP on none")
     return 0
 
 

@@ -156,7 +156,7 @@ def test_manual_path_is_refused_for_a_split_model_width():
 
 
 @pytest.mark.parametrize("strategy, path, axis", [
-    ("tp_y=2,fsdp=4", "manual", "tp_y"),  # Megatron's split over tp_y: the Llama's own collectives, as tensor=2
+    # (tp_y alone is Megatron's split over tp_y: the Llama's own collectives, as tensor=N, tested there)
     ("tp_x=2,fsdp=4", "gspmd", "tp_x"),  # only the model width split: XLA's partitioner
 ])
 def test_one_dimensional_grids_train_like_one_device(strategy, path, axis, trained, llama_oracle, tokens):  # noqa: F811
@@ -168,10 +168,3 @@ def test_one_dimensional_grids_train_like_one_device(strategy, path, axis, train
     step = sum(c.bytes_per_step for c in cols if c.kind == "all-reduce" and c.mesh_axes == (axis,))
     formula = axonn.traffic(parse_strategy(strategy, 8), traffic_context(trainer, (BATCH, SEQ), TINY))
     assert step == pytest.approx(formula[("all-reduce", axis)], rel=0.02)
-
-
-@pytest.mark.slow
-def test_a_pipeline_over_a_tp_y_grid_trains_like_one_device(tokens, llama_oracle):  # noqa: F811
-    # no split model width: the pipeline's manual step runs it (1F1B, 2 stages, 2 micro-batches)
-    cfg = dataclasses.replace(CFG, microbatches=2)
-    assert_same(sharded("stage=2,tp_y=2,fsdp=2", llama_model, llama.loss_fn, batches(tokens), cfg), llama_oracle)

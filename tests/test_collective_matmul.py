@@ -16,8 +16,8 @@ from jaxpar.models import llama
 from jaxpar.nn import enter_block, reduce_partial
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.train.step import Trainer
-from tests.test_equivalence import (BATCH, CFG, OPTIMIZER, SEQ, TOL, assert_same, batches, llama_model, oracle, sharded,
-                                    tokens)  # noqa: F401 (tokens: a fixture)
+from tests.test_equivalence import (BATCH, CFG, OPTIMIZER, SEQ, assert_same, batches, llama_model, llama_oracle, oracle,  # noqa: F401
+                                    sharded, tokens)  # (llama_oracle, tokens: fixtures)
 
 PLAIN, OVERLAP = "data=2,tensor=4,sp=on", "data=2,tensor=4,sp=on,tp_overlap=on"
 
@@ -54,8 +54,9 @@ def step_collectives(trainer):
     return hlo.by_axes(hlo.collectives(trainer._step.lower(trainer.abstract_state(), example).compile().as_text(), trainer.layout.mesh))
 
 
-def test_collective_matmul_equals_the_plain_step_and_moves_the_same_bytes_as_permutes():
+def test_collective_matmul_equals_the_plain_step_and_moves_the_same_bytes_as_permutes(llama_oracle):
     (plain, plain_out), (ours, ours_out) = trained(PLAIN), trained(OVERLAP)
+    assert_same(plain_out, llama_oracle)  # TP with SP trains like one device (test_equivalence's other layouts)
     assert_same(ours_out, plain_out)
     before, after = step_collectives(plain), step_collectives(ours)
     t, layers = 4, llama.CONFIGS["tiny"].layers

@@ -122,7 +122,7 @@ LAYOUTS = [
     # (fsdp=8,zero=2: with 2 micro-batches, in test_gradient_accumulation_matches_one_device)
     pytest.param("data=2,fsdp=4", marks=_slow),  # HSDP
     # (TP alone: in tensor=8, fsdp=4,tensor=2 and data=2,fsdp=2,tensor=2)
-    pytest.param("data=2,tensor=4,sp=on", marks=_slow),  # TP + SP
+    # (TP + SP, data=2,tensor=4,sp=on: in test_collective_matmul, next to its collective matmul)
     pytest.param("fsdp=4,tensor=2", marks=_slow),
     pytest.param("data=2,fsdp=2,tensor=2", marks=_slow),  # HSDP with TP
     # data=2,fsdp=2,tensor=2,sp=on and fsdp=8,regather=on: with remat, in test_remat_policies_match_one_device

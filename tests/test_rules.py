@@ -1,5 +1,6 @@
 """Rules and layouts: the mappings each strategy gives, and the errors for bad input."""
 import dataclasses
+import gc
 import jax
 import pytest
 from flax import nnx
@@ -66,10 +67,13 @@ def test_bad_strategies(text, error, culprit):
 
 
 def _no_new_arrays(fn):
-    """Run fn (which must raise) and check that no device memory was allocated."""
+    """Run fn (which must raise) and check that no device memory was allocated. (Garbage that an
+    earlier test left is collected first: a collection during fn would free arrays fn never made.)"""
+    gc.collect()
     before = len(jax.live_arrays())
     with pytest.raises(LayoutError) as info:
         fn()
+    gc.collect()
     assert len(jax.live_arrays()) == before
     return str(info.value)
 
