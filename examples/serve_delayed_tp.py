@@ -42,20 +42,20 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=48)
     args = parser.parse_args()
     tokens, _ = data.split_corpus(data.corpus_tokens())
-    trainer = Trainer(build_layout(parse_strategy(f"data={8 // args.tensor},tensor={args.tensor}", 8)), model_fn, llama.loss_fn,
-                      TrainConfig(total_steps=args.steps))
-    state = trainer.init(seed=0)
-    for step in range(args.steps):
-        state, metrics = trainer.step(state, trainer.put_batch(data.batch_at(tokens, step, 16, 129, seed=0)))
-        if step == args.steps - 1:
-            print(f"trained as TP for {args.steps} steps: loss {float(metrics['loss']):.3f}")
-
-    model = nnx.merge(trainer.graphdef, jax.device_get(state.params))
+    model = model_fn(nnx.Rngs(0))
+    if args.steps:
+        trainer = Trainer(build_layout(parse_strategy(f"data={8 // args.tensor},tensor={args.tensor}", 8)), model_fn,
+                          llama.loss_fn, TrainConfig(total_steps=args.steps))
+        state = trainer.init(seed=0)
+        for step in range(args.steps):
+            state, metrics = trainer.step(state, trainer.put_batch(data.batch_at(tokens, step, 16, 129, seed=0)))
+        print(f"trained as TP for {args.steps} steps: loss {float(metrics['loss']):.3f}")
+        model = nnx.merge(trainer.graphdef, jax.device_get(state.params))
     weights = affinity.weights_of(model)
     placed = affinity.assign(weights, model.cfg, args.tensor)
     kept = {m: affinity.kept_coupling(weights, model.cfg, affinity.assign(weights, model.cfg, args.tensor, m)) for m in affinity.METHODS}
     print("coupling between consecutive sublayers kept on one device: " + ", ".join(f"{m} {100 * k:.1f}%" for m, k in kept.items()))
-    permuted = nnx.merge(trainer.graphdef, jax.device_get(state.params))
+    permuted = nnx.merge(*nnx.split(model))  # a copy, its units then placed
     affinity.permute_model(permuted, placed)
     ids = jnp.asarray(tokens[None, :64])
     with jax.default_device(jax.devices()[0]):

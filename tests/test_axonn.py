@@ -153,18 +153,3 @@ def test_manual_path_is_refused_for_a_split_model_width():
     batch = jax.ShapeDtypeStruct((16, 32), np.float32)
     with pytest.raises(LayoutError, match=r"path='manual'.*embed.*tp_x.*GSPMD.*path='auto'"):
         trainer.choose_path(trainer.abstract_state().params, batch)
-
-
-@pytest.mark.parametrize("strategy, path, axis", [
-    # (tp_y alone is Megatron's split over tp_y: the Llama's own collectives, as tensor=N, tested there)
-    ("tp_x=2,fsdp=4", "gspmd", "tp_x"),  # only the model width split: XLA's partitioner
-])
-def test_one_dimensional_grids_train_like_one_device(strategy, path, axis, trained, llama_oracle, tokens):  # noqa: F811
-    trainer, ours = trained(strategy)
-    assert trainer.path == path
-    assert_same(ours, llama_oracle)
-    cols = compiled_collectives(trainer, batches(tokens)[0])
-    assert {c.mesh_axes for c in cols if set(c.mesh_axes) & set(GRID_AXES)} <= {(axis,), ("fsdp", axis)}
-    step = sum(c.bytes_per_step for c in cols if c.kind == "all-reduce" and c.mesh_axes == (axis,))
-    formula = axonn.traffic(parse_strategy(strategy, 8), traffic_context(trainer, (BATCH, SEQ), TINY))
-    assert step == pytest.approx(formula[("all-reduce", axis)], rel=0.02)

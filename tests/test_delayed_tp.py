@@ -43,39 +43,44 @@ def _rotary(x, positions, theta=TINY.rope_theta):  # (b, n, heads, d), the half-
 
 
 def simulated_logits(weights, tokens, shards: int):
-    """Logits (b, n, V) of delayed TP over ``shards`` virtual devices; ``weights``: the Llama's pure dict."""
-    layers, cfg = weights["layers"], TINY
+    """Logits (b, n, V) of delayed TP over ``shards`` virtual devices; ``weights``: the Llama's pure
+    dict. The shards are a leading dim of every per-shard array (``jax.vmap`` runs each shard's
+    sublayer on its own stream), the layers a ``lax.scan``."""
+    cfg, d = TINY, shards
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape).astype(jnp.float32)
-    part = lambda w, axis, d: jnp.split(w, shards, axis=axis)[d]  # noqa: E731 - shard d's slice
-    streams = [weights["embedding"][tokens]] * shards
-    pending = [jnp.zeros_like(streams[0])] * shards
 
-    def add(streams, pending, partials):  # own partial now, the others' previous ones late
-        total = sum(pending)
-        return [s + p + (total - q) for s, p, q in zip(streams, partials, pending)], partials
+    def split(w, axis):  # (..., n, ...) -> (d, ..., n / d, ...): shard s holds the s-th contiguous block
+        return jnp.moveaxis(w.reshape(w.shape[:axis] + (d, w.shape[axis] // d) + w.shape[axis + 1:]), axis, 0)
 
-    for i in range(cfg.layers):
-        w = {name: layers[name][i] for name in layers}
-        partials = []
-        for d, stream in enumerate(streams):
-            h = _rms(stream, w["attn_norm"])
-            q = _rotary(jnp.einsum("ble,ehd->blhd", h, part(w["wq"], 1, d)), positions)
-            k = _rotary(jnp.einsum("ble,ekd->blkd", h, part(w["wk"], 1, d)), positions)
-            v = jnp.einsum("ble,ekd->blkd", h, part(w["wv"], 1, d))
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-            partials.append(jnp.einsum("blhd,hde->ble", out, part(w["wo"], 0, d)))
-        streams, pending = add(streams, pending, partials)
-        partials = []
-        for d, stream in enumerate(streams):
-            h = _rms(stream, w["mlp_norm"])
-            act = jax.nn.silu(h @ part(w["w_gate"], 1, d)) * (h @ part(w["w_up"], 1, d))
-            partials.append(act @ part(w["w_down"], 0, d))
-        streams, pending = add(streams, pending, partials)
-    total = sum(pending)
-    streams = [s + (total - q) for s, q in zip(streams, pending)]
+    def attention(stream, w):  # one shard's partial output of attention
+        h = _rms(stream, w["attn_norm"])
+        q = _rotary(jnp.einsum("ble,ehd->blhd", h, w["wq"]), positions)
+        k = _rotary(jnp.einsum("ble,ekd->blkd", h, w["wk"]), positions)
+        v = jnp.einsum("ble,ekd->blkd", h, w["wv"])
+        return jnp.einsum("blhd,hde->ble", jax.nn.dot_product_attention(q, k, v, is_causal=True), w["wo"])
+
+    def mlp(stream, w):
+        h = _rms(stream, w["mlp_norm"])
+        return (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+
+    def add(streams, pending, partials):  # each shard: its own partial now, the others' previous ones late
+        return streams + partials + (pending.sum(0) - pending), partials
+
+    def layer(carry, w):
+        streams, pending = carry
+        shared = {"attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"]}
+        own = {"wq": split(w["wq"], 1), "wk": split(w["wk"], 1), "wv": split(w["wv"], 1), "wo": split(w["wo"], 0),
+               "w_gate": split(w["w_gate"], 1), "w_up": split(w["w_up"], 1), "w_down": split(w["w_down"], 0)}
+        streams, pending = add(streams, pending, jax.vmap(lambda s, o: attention(s, {**shared, **o}))(streams, own))
+        streams, pending = add(streams, pending, jax.vmap(lambda s, o: mlp(s, {**shared, **o}))(streams, own))
+        return (streams, pending), None
+
+    first = jnp.broadcast_to(weights["embedding"][tokens], (d, *tokens.shape, cfg.embed))
+    (streams, pending), _ = jax.lax.scan(layer, (first, jnp.zeros_like(first)), weights["layers"])
+    streams = streams + (pending.sum(0) - pending)
     # each shard's vocabulary rows from its own copy of the stream (the copies agree to rounding)
-    return jnp.concatenate([_rms(s, weights["final_norm"]) @ part(weights["unembedding"], 1, d)
-                            for d, s in enumerate(streams)], axis=-1)
+    logits = jax.vmap(lambda s, u: _rms(s, weights["final_norm"]) @ u)(streams, split(weights["unembedding"], 1))
+    return jnp.moveaxis(logits, 0, -2).reshape(*tokens.shape, cfg.vocab_size)
 
 
 def simulated_loss(shards):
