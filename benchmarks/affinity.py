@@ -22,14 +22,13 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from jaxpar import affinity  # noqa: E402
 from jaxpar.models import llama  # noqa: E402
 from jaxpar.parallel import build_layout, parse_strategy  # noqa: E402
 from jaxpar.train import data  # noqa: E402
 from jaxpar.train.state import TrainState  # noqa: E402
-from jaxpar.train.step import TrainConfig, Trainer, make_optimizer  # noqa: E402
+from jaxpar.train.step import TrainConfig, Trainer  # noqa: E402
 
 BATCH, SEQ = 16, 128
 

@@ -73,7 +73,7 @@ def print_roofline():
     from jaxpar.topology import load_topology
 
     latencies = (2e-6, 5e-6, 10e-6, 20e-6)
-    print(f"\nroofline, batch 1, bf16 weights, 1024 tokens in the cache: decode latency per token (ms), TP / DTP")
+    print("\nroofline, batch 1, bf16 weights, 1024 tokens in the cache: decode latency per token (ms), TP / DTP")
     print(f"{'model':10s} {'topology':12s} {'tensor':>6s} " + " ".join(f"{'AR ' + str(round(a * 1e6)) + ' us':>15s}" for a in latencies))
     for name in ("llama-1b", "llama3-8b"):
         for topo, tensor in (("gpu-h100-8", 8), ("tpu-v5e-256", 4), ("tpu-v5e-256", 8)):

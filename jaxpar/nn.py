@@ -163,9 +163,9 @@ def _delay_axes(call: str) -> tuple[str, ...]:
     active = _ACTIVE.get()
     probing = _CALLS.get() is not None  # the trainer's trace that only records which calls a model makes
     if layout is None and active is not None and active.layout.delay_axes and not probing:
-        raise LayoutError(f"the layout delays tensor parallelism's sums (delay=1), which only jaxpar's manual step "
-                          f"(shard_map) can run: each device keeps a residual stream of its own. Run the model through "
-                          f"jaxpar's Trainer or serving Decoder, or drop delay=1")
+        raise LayoutError("the layout delays tensor parallelism's sums (delay=1), which only jaxpar's manual step "
+                          "(shard_map) can run: each device keeps a residual stream of its own. Run the model through "
+                          "jaxpar's Trainer or serving Decoder, or drop delay=1")
     return () if layout is None else layout.delay_axes
 
 
