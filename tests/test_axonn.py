@@ -153,3 +153,11 @@ def test_manual_path_is_refused_for_a_split_model_width():
     batch = jax.ShapeDtypeStruct((16, 32), np.float32)
     with pytest.raises(LayoutError, match=r"path='manual'.*embed.*tp_x.*GSPMD.*path='auto'"):
         trainer.choose_path(trainer.abstract_state().params, batch)
+
+
+def test_a_split_model_width_alone_takes_the_gspmd_path():
+    # tp_x without tp_y splits only embed; the Llama calls jaxpar, yet XLA's partitioner must run it
+    trainer = Trainer(build_layout(parse_strategy("tp_x=2,fsdp=4", 8)), llama_model, llama.loss_fn, CFG)
+    batch = jax.ShapeDtypeStruct((16, SEQ + 1), np.int32)
+    assert trainer.choose_path(trainer.abstract_state().params, batch) == "gspmd"
+    assert "tp_x" in trainer.path_reason
