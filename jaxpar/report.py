@@ -37,16 +37,21 @@ def step_report(trainer, compiled, strategy, cfg, batch_shape: tuple[int, int]) 
     elif layout.ring_axes or layout.a2a_axes:
         report["context"] = context_report(layout, report["communication"], batch_shape[1], cfg)
     if layout.axes_of("heads"):
-        report["tensor"] = tensor_report(layout, compiled.as_text(), cfg)
+        section = tensor_report(layout, compiled.as_text(), cfg)
+        if section is not None:
+            report["tensor"] = section
     return report
 
 
 def tensor_report(layout, hlo_text: str, cfg) -> dict:
     """Tensor parallelism's part of the report: per layer of the forward pass, the all-reduces
     over the tensor axes and how many of them are blocking (no matmul can run while one is in
-    flight: ``hlo.blocking_collectives``); Megatron TP has 2, delayed TP (``delay=1``) 0."""
+    flight: ``hlo.blocking_collectives``); Megatron TP has 2, delayed TP (``delay=1``) 0. None where
+    the program has no loop over all the layers (a pipeline's stages each run a part)."""
     forward = [loop for loop in hlo.blocking_collectives(hlo_text)
                if "transpose" not in loop["op_name"] and loop["trips"] == cfg.layers]
+    if not forward:  # no loop over the layers (a pipeline splits them): no count rather than a wrong 0
+        return None
     return {"delayed": bool(layout.delay_axes), "axes": list(layout.axes_of("heads")),
             "all_reduces_per_layer": max((loop["collectives"] for loop in forward), default=0),
             "blocking_per_layer": max((loop["blocking"] for loop in forward), default=0)}
