@@ -98,8 +98,9 @@ def _refuse_unfinished_sum(x, names: Names, layout: Layout, where: str):
             f"the tensor entering {where} with logical names {tuple(names)} (shape {tuple(x.shape)}) differs across "
             f"mesh axis {'/'.join(unfinished)}, over which none of its dims is split: it holds unfinished partial sums"
             f"{f', made by {origin}' if origin else ''}. A sum over a logical axis sharded on {unfinished[0]!r} "
-            f"(a row-parallel matmul) was used without finishing it; wrap that sum in "
-            f"jaxpar.nn.reduce_partial(x, contracted_names, output_names)"
+            f"(a row-parallel matmul, a one-hot lookup in a vocabulary-split table) was used without finishing it; wrap "
+            f"that sum in jaxpar.nn.reduce_partial(x, contracted_names, output_names), or look rows up with "
+            f"jaxpar.nn.embed_lookup"
         )
 
 

@@ -371,8 +371,27 @@ def _gather_value(value, names):
     if active.grad_sync is not None:
         plan = gather_plan(names, active.layout)
         if any(active.grad_sync.compresses(axes) for _, axes in plan):
-            return _compressed_gather([value], [names], [plan], active)[0]
-    return _gather_weight(value, names, active.layout, active.compute_dtype, active.grad_reduce_dtype)
+            return _local_replica(_compressed_gather([value], [names], [plan], active)[0], names, active.layout)
+    return _local_replica(_gather_weight(value, names, active.layout, active.compute_dtype, active.grad_reduce_dtype),
+                          names, active.layout)
+
+
+def _local_replica(value, names, layout: Layout):
+    """``value`` with each replicable dim that the layout keeps whole (``Layout.replicable``: it is
+    shorter than its mesh axes) cut to the one entry this device's share of the matching split dim
+    reads: with more tensor shards T than key/value heads K, the query heads of device t all read
+    key/value head t*K//T. So a model that takes its head counts from its kernels sees a consistent
+    local grouped attention; the backward pass sums each head's gradient over the devices reading it."""
+    for dim, name in enumerate(names):
+        axes = layout.axes_of(name) if name in layout.replicable else ()
+        if not axes or any(a in varying_axes(value) for a in axes):
+            continue  # not replicable, or split like any other dim
+        ways, size = math.prod(layout.mesh.shape[a] for a in axes), value.shape[dim]
+        index = 0
+        for axis in axes:
+            index = index * layout.mesh.shape[axis] + jax.lax.axis_index(axis)
+        value = jax.lax.dynamic_slice_in_dim(value, index * size // ways, 1, axis=dim)
+    return value
 
 
 def _read_table(var, value):

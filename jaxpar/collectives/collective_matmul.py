@@ -20,6 +20,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# the name scope of the rings that finish a sum by collective-permutes (no psum): a check of
+# unfinished partial sums (``jaxpar/train/partial_sums.py``) takes what they return as finished
+FINISHED_SCOPE = "jaxpar_finished_sum"
+
 
 def _halves(length: int) -> list[tuple[int, int, int]]:
     """(offset inside a chunk, size, direction) of the pieces that go round: +1 to the next device."""
@@ -59,6 +63,11 @@ def gather_then(x, then, axis: str, dim: int):
 def project_then_scatter(x, project, axis: str, dim: int):
     """``psum_scatter(project(x), axis, scatter_dimension=dim, tiled=True)``, each hop's matmul
     overlapping the previous hop's transfer."""
+    with jax.named_scope(FINISHED_SCOPE):
+        return _ring_scatter(x, project, axis, dim)
+
+
+def _ring_scatter(x, project, axis: str, dim: int):
     devices, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     length = x.shape[dim] // devices  # of this device's chunk of the result
     parts = []

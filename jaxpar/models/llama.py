@@ -231,9 +231,10 @@ def _rope(x, positions, theta):
 def _projections(h, w, cfg):
     """The queries, keys and values of block input ``h`` (batch, length, embed), before RoPE: each
     position's alone (collective matmul computes them chunk by chunk: ``jaxpar.nn.enter_block``)."""
+    # (with more tensor shards than key/value heads, the step hands each device the one its query
+    # heads read: ``rules._local_replica``)
     q = jnp.einsum("ble,ehd->blhd", h, w["wq"])
-    wk, wv = _kv_for_local_heads(w["wk"], w["wv"], cfg, q.shape[2])
-    return q, jnp.einsum("ble,ekd->blkd", h, wk), jnp.einsum("ble,ekd->blkd", h, wv)
+    return q, jnp.einsum("ble,ekd->blkd", h, w["wk"]), jnp.einsum("ble,ekd->blkd", h, w["wv"])
 
 
 def _attention(q, k, v, cfg, positions, mask, past=None):
@@ -245,18 +246,6 @@ def _attention(q, k, v, cfg, positions, mask, past=None):
     if past is not None:
         k, v = (jnp.concatenate([cached, new], axis=1) for cached, new in zip(past, own))
     return constrain(attention(q, k, v, mask), ("batch", "length", "heads", "head_dim")), own
-
-
-def _kv_for_local_heads(wk, wv, cfg, local_heads: int):
-    """The key/value weights of the heads this device's ``local_heads`` query heads read. With
-    more tensor shards than key/value heads the layout keeps those weights whole on every device
-    (replicated); each device then takes the one its query group uses."""
-    if wk.shape[1] * cfg.heads <= local_heads * cfg.kv_heads:
-        return wk, wv  # split like the query heads (or one device): nothing to pick
-    group = cfg.heads // cfg.kv_heads  # query heads per key/value head
-    first = shard_offset(("batch", "length", "heads", "head_dim"), 2, local_heads) // group
-    count = max(1, local_heads // group)
-    return (jax.lax.dynamic_slice_in_dim(wk, first, count, axis=1), jax.lax.dynamic_slice_in_dim(wv, first, count, axis=1))
 
 
 def _block(x, pending, w, cfg, positions, mask, past=None):

@@ -36,7 +36,7 @@ from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel import delayed, fsdp, schedules
 from jaxpar.rules import Layout, gather_layers_when_read, gather_params, record_model_calls, use_layout, varying_axes
 from jaxpar.train import check as check_lib
-from jaxpar.train import grad_sync, gspmd, reductions, remat
+from jaxpar.train import grad_sync, gspmd, partial_sums, reductions, remat
 from jaxpar.train.accumulate import accumulate, accumulator_bytes, local_microbatches
 from jaxpar.train.placement import BatchPlacement
 from jaxpar.train.state import ShardedState, TrainState, abstract_model, flatten, make_optimizer, nest, variables
@@ -154,6 +154,7 @@ class Trainer:
         self._buckets, self._done_paths = reductions.all_reduce_buckets(self._plans, self.grad_sync, cfg.microbatches)
         self._step = None
         self.accumulator_bytes = None  # set when the step is traced
+        self._sums_checked = False  # the forward pass is searched for unfinished partial sums once
 
     def _choose_regather(self) -> tuple[bool, str]:
         """The layout's regather, or under regather=auto the choice by memory (``fsdp.choose_regather``)."""
@@ -274,6 +275,19 @@ class Trainer:
                 f"it would train as plain TP. Carry the residual stream with jaxpar.nn.start_delayed, residual_add and "
                 f"finish_delayed (as jaxpar.models.llama does), or drop delay=1")
 
+    def _check_partial_sums(self, model_loss, params, micro):
+        """Refuse, from one trace of the forward pass (nothing compiled), a partial sum the model
+        never finishes (``partial_sums.py``): a weight's split dims seed the search."""
+        axes = partial_sums.tracked_axes(self.layout)
+        if axes:
+            one = jax.tree.map(lambda x: x[0], micro)
+            jaxpr = jax.make_jaxpr(model_loss)(params, one)
+            by_path = {tuple(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+            seeds = [tuple(frozenset(self.layout.axes_of(n, "param")) for n in self.names[p]) for p in by_path]
+            seeds += [(frozenset(),) * x.ndim for x in jax.tree.leaves(one)]
+            partial_sums.check(jaxpr, seeds, axes)
+        self._sums_checked = True
+
     def _check_gspmd(self):
         """Refuse what only the manual path does."""
         manual_only = {
@@ -314,6 +328,8 @@ class Trainer:
             gather_layers_when_read(state)  # stacked ones, one layer at a time in the model's loop
             return self.loss_fn(nnx.merge(self.graphdef, state), mb) / shards
 
+        if self.pipeline is None and not self._sums_checked:
+            self._check_partial_sums(model_loss, varying, micro)
         objective = remat.checkpoint_layer_loops(model_loss, self.remat_policy, self.stacked_marks())
 
         def reduce(grads, which):
