@@ -14,8 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.attention import BIDIRECTIONAL, CAUSAL, attention
-from jaxpar.nn import (constrain, cross_entropy, embed_lookup, enter_block, finish_delayed, residual_add, shard_offset,
-                       start_delayed)
+from jaxpar.nn import constrain, cross_entropy, embed_lookup, enter_block, finish_delayed, residual_add, start_delayed
 
 # Activation layouts: the residual stream, and the inside of attention / MLP blocks.
 RESIDUAL = ("batch", "residual_length", "embed")
