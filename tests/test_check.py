@@ -23,9 +23,10 @@ def test_check_passes_on_a_correct_layout_of_the_tiny_llama(capsys):
 
 
 def test_check_fails_on_a_broken_layout_naming_the_weights():
-    # heads whole and head_dim split over tensor: attention scores become partial sums that the
-    # output projection's reduce_partial then finishes, so every shape and type checks out
-    broken = build_layout(parse_strategy("fsdp=4,tensor=2", 8), extra_rules={"heads": (), "kv_heads": (), "head_dim": ("tensor",)})
+    # query heads split over tensor but key/value heads kept whole: each device pairs its query heads
+    # with the first key/value heads, not theirs; every shape, type and sum checks out (heads whole
+    # with head_dim split, whose scores are partial sums, is refused before any step: partial_sums.py)
+    broken = build_layout(parse_strategy("fsdp=4,tensor=2", 8), extra_rules={"kv_heads": ()})
     cfg = llama.CONFIGS["tiny"]
     trainer = Trainer(broken, lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, TrainConfig())
     report = trainer.check(np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 17), dtype=np.int32))
