@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import jax
 import numpy as np
@@ -174,8 +175,10 @@ def save(permutation: Permutation, path: str, model: str, cfg) -> None:
                    "groups": permutation.groups.tolist(), "columns": permutation.columns.tolist()}, f)
 
 
-def load(path: str, model: str, cfg) -> Permutation:
-    """The permutation in ``path``, refused in words if it was made for another model."""
+def load(path: str, model: str, cfg, *, serving: bool = False, layout=None) -> Permutation:
+    """The permutation in ``path``, refused in words if it was made for another model and, when
+    ``serving`` under ``layout`` (None: one device), if it would change nothing there (no delay) or
+    was made for another tensor degree."""
     try:
         with open(path) as f:
             saved = json.load(f)
@@ -193,4 +196,21 @@ def load(path: str, model: str, cfg) -> Permutation:
     if not ok:
         raise JaxparError(f"the permutation file {path!r} is damaged: each layer must order every head group and MLP "
                           f"column once; make it again with `jaxpar affinity`")
+    if serving:
+        _check_layout(permutation, path, layout)
     return permutation
+
+
+def _check_layout(permutation: Permutation, path: str, layout) -> None:
+    """Refuse a permutation that would change nothing (no delay: every placement computes the same
+    function) or that splits the units for another tensor degree than ``layout``'s."""
+    delayed = () if layout is None else layout.delay_axes
+    if not delayed:
+        raise JaxparError(f"the permutation file {path!r} places heads and MLP columns for delayed TP; served without delay=1 "
+                          f"every placement computes the same function, so it would change nothing: add delay=1 to the "
+                          f"strategy (e.g. \"tensor={permutation.shards},delay=1\") or drop the permutation")
+    ways = math.prod(layout.mesh.shape[a] for a in delayed)
+    if ways != permutation.shards:
+        raise JaxparError(f"the permutation file {path!r} was made for tensor={permutation.shards} (`jaxpar affinity --tensor "
+                          f"{permutation.shards}`) but this layout splits the heads over tensor={ways}: its device shares are "
+                          f"not this layout's; make one with `jaxpar affinity --tensor {ways}`")

@@ -16,13 +16,15 @@ import warnings
 import jax
 
 from jaxpar.analysis import hlo, memory, roofline, traffic
-from jaxpar.errors import JaxparError
-from jaxpar.mesh import dcn_misplaced, split_ici_dcn
+from jaxpar.attention import check_platform
+from jaxpar.errors import JaxparError, JobFailed
+from jaxpar.mesh import dcn_misplaced, divisors, split_ici_dcn
 from jaxpar.models import llama, model_and_loss, model_family
-from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.parallel import build_layout, context, parse_strategy, schedules
 from jaxpar.topology import Topology
 from jaxpar.train.loop import (
-    RunConfig, check_at_least, check_block_degree, check_fits_fully_sharded, check_model_axes, check_writable, run_model_config, write_text_atomically,
+    RunConfig, check_at_least, check_block_degree, check_fits_fully_sharded, check_model_axes, check_unused_options, check_writable,
+    run_model_config, write_text_atomically,
 )
 from jaxpar.train.step import TrainConfig, Trainer
 
@@ -64,10 +66,6 @@ def target_for(topology: Topology) -> Target:
     return Target(cpus[: topology.num_chips], "cpu", f"{reason}: compiled by XLA:CPU for simulated devices with the same mesh shape")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 # what a pod step compiles with unless told otherwise: bf16 compute (float32 master weights) and full
 # remat, as MaxText's published plans; gradients are still reduced in float32 unless asked
 POD_DEFAULTS = TrainConfig(compute_dtype="bfloat16", remat="full")
@@ -75,40 +73,29 @@ POD_DEFAULTS = TrainConfig(compute_dtype="bfloat16", remat="full")
 
 def compile_report(model, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, cfg: TrainConfig = POD_DEFAULTS,
                    alternatives: int = 3, dump_hlo: str | os.PathLike | None = None, block_size: int | None = None,
-                   window: int | None = None) -> dict:
+                   window: int | None = None, explicit: frozenset[str] = frozenset()) -> dict:
     """Compile the training step for ``topology`` and report fit, traffic, cost and estimates.
 
     ``model``: a config name (``tiny``, ``llama2-7b``...) or a ``LlamaConfig``; ``cfg``: every
     option of the step as ``jaxpar train`` takes it (dtypes, remat, micro-batches, attention;
     ``attention="auto"`` is splash on a TPU pod). ``dump_hlo``: a directory to write the compiled
     program's text into; ``block_size``, ``window``: a block diffusion model's (``seq_len`` tokens
-    per row, which it reads twice: [x_t ; x_0])."""
+    per row, which it reads twice: [x_t ; x_0]); ``explicit``: the fields of ``cfg`` given on
+    purpose (refused, like any non-default value, where the layout would ignore them).
+
+    A plan that cannot fit is a ``JobFailed`` when the compiler itself refuses it (XLA:TPU);
+    otherwise the report says whether it fits (``memory_per_chip["fits"]``)."""
 
     name = model if isinstance(model, str) else "the model"
-    check_at_least("--batch-size", batch_size, 1)
-    check_at_least("--seq-len", seq_len, 1)
-    if isinstance(model, llama.LlamaConfig):
-        model_cfg = model
-    else:
-        model_cfg = run_model_config(RunConfig(model=model, seq_len=seq_len, block_size=block_size, window=window))
+    model_cfg, strategy = _checked_plan(model, topology, strategy_text, batch_size, seq_len, cfg, block_size, window, explicit)
     diffusion = model_family(model_cfg) == "bd3lm"
-    check_fits_fully_sharded(model_cfg.num_params(), topology, name)
-    strategy = parse_strategy(strategy_text, topology.num_chips)  # before the (slow) TPU compiler is loaded
-    check_model_axes(strategy, name)
-    check_block_degree(strategy, model_cfg, seq_len)
     if dump_hlo is not None:
         check_writable(str(dump_hlo), "--dump-hlo", directory=True)
     target = target_for(topology)
     n = len(target.devices)
     _, dcn = split_ici_dcn(strategy.spec, topology.num_slices)
     layout = build_layout(strategy, target.devices, num_slices=topology.num_slices)
-    attention = cfg.attention
-    if attention == "auto":
-        # a TPU pod runs JAX's splash kernel (this host's backend, the CPU, would choose blockwise), so
-        # the compiled memory is the pod's; lengths splash cannot tile take blockwise, and so does
-        # block parallelism (its mask is evaluated at each device's token places, which splash cannot)
-        splash = target.compiler == "tpu" and seq_len % 128 == 0 and strategy.block_ranks == 1
-        attention = "splash" if splash else "blockwise"
+    attention = _attention_for(cfg.attention, target, seq_len, strategy, layout)
     train_cfg = dataclasses.replace(cfg, attention=attention, memory_bytes=topology.hbm_bytes)
     trainer = Trainer(layout, *model_and_loss(model_cfg), train_cfg)
     trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"), seq_len)
@@ -118,8 +105,8 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
-        # XLA:TPU refuses a program that cannot fit; that is the answer to "does it fit?"
-        raise JaxparError(
+        # XLA:TPU refuses a program that cannot fit; that is the answer to "does it fit?" (no, exit 1)
+        raise JobFailed(
             f"{name} with batch {batch_size} x {seq_len} under "
             f"{strategy} does not fit on {topology.name}: {str(err).splitlines()[0].split(': ', 1)[-1].rstrip('.')}. "
             f"Try regather=on (FSDP gathers each layer again instead of keeping every layer's weights), a "
@@ -128,8 +115,6 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     if dump_hlo is not None:
         write_text_atomically(os.path.join(dump_hlo, "step.hlo.txt"), compiled.as_text())
 
-    stats = compiled.memory_analysis()
-    peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes + stats.generated_code_size_in_bytes
     dcn_axes = tuple(a for a, d in dcn.items() if d > 1)
     cols = hlo.collectives(compiled.as_text(), layout.mesh, dcn_axes, topology.num_slices)
     rows = [(c.kind, c.mesh_axes, c.bytes_per_step, any(dcn[a] > 1 for a in c.mesh_axes)) for c in cols]
@@ -137,21 +122,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     model_flops = model_cfg.flops_per_token(model_length) * batch_size * model_length
     estimate = _estimate(trainer, strategy, model_cfg, batch_size, model_length, rows, topology)
     cost = compiled.cost_analysis() or {}
-    by_link = {}
-    for c, (_, _, sent, crosses) in zip(cols, rows):
-        key = f"{c.kind} over {'+'.join(c.mesh_axes) or '-'} ({'DCN' if crosses else 'ICI'})"
-        entry = by_link.setdefault(key, {"count": 0, "bytes_per_chip": 0.0})
-        entry["count"] += c.executions
-        entry["bytes_per_chip"] += sent
-    misplaced = []
-    for axis in dcn_misplaced(dcn):
-        sent = [(c.kind, b) for c, (_, _, b, _) in zip(cols, rows) if axis in c.mesh_axes]
-        misplaced.append({
-            "axis": axis,
-            "bytes_per_chip": sum(b for _, b in sent),
-            "dcn_seconds": sum(roofline.collective_seconds(k, b, True, topology) for k, b in sent),
-            "ici_seconds": sum(roofline.collective_seconds(k, b, False, topology) for k, b in sent),
-        })
+    by_link, misplaced = _by_link(cols, rows, dcn, topology, strategy.spec)
     return {
         "dcn_warnings": misplaced,
         "model": model if isinstance(model, str) else "custom",
@@ -167,18 +138,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
         "fsdp_policy": {"regather": trainer.regather, "reason": trainer.regather_reason},
         "batch_size": batch_size,
         "seq_len": seq_len,
-        "memory_per_chip": {
-            "arguments": stats.argument_size_in_bytes,
-            "outputs": stats.output_size_in_bytes,
-            "aliased": stats.alias_size_in_bytes,
-            "temporaries": stats.temp_size_in_bytes,
-            "generated_code": stats.generated_code_size_in_bytes,
-            "peak": peak,
-            "hbm": topology.hbm_bytes,
-            "fits": peak <= topology.hbm_bytes,
-            **trainer.stored_bytes_per_device(),
-            "zero_table": memory.zero_table(trainer, strategy),
-        },
+        "memory_per_chip": _memory_per_chip(compiled.memory_analysis(), topology, trainer, strategy),
         "collectives": by_link,
         "float32_gradient_reduction": _float32_gradient_cost(cols, trainer) if train_cfg.grad_reduce_dtype == "float32" else None,
         "compiler_cost_analysis": {k: cost.get(k) for k in ("flops", "bytes accessed", "optimal_seconds")},
@@ -186,6 +146,80 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
         "roofline": estimate.as_dict(),
         "alternatives": rank_alternatives(trainer, strategy, topology, model_cfg, batch_size, model_length, alternatives),
     }
+
+
+def _checked_plan(model, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, cfg: TrainConfig,
+                  block_size: int | None, window: int | None, explicit: frozenset[str]):
+    """(model config, strategy) of a plan, every input refused that cannot work or would do nothing,
+    before the (slow) TPU compiler is loaded or anything is built."""
+    name = model if isinstance(model, str) else "the model"
+    check_at_least("--batch-size", batch_size, 1)
+    check_at_least("--seq-len", seq_len, 1)
+    schedules.check_chunks(cfg.schedule, cfg.chunks)
+    check_platform(cfg.attention, topology.platform, f"topology {topology.name}")  # the pod's kernels, not this host's
+    if isinstance(model, llama.LlamaConfig):
+        model_cfg = model
+    else:
+        model_cfg = run_model_config(RunConfig(model=model, seq_len=seq_len, block_size=block_size, window=window))
+    check_fits_fully_sharded(model_cfg.num_params(), topology, name)
+    strategy = parse_strategy(strategy_text, topology.num_chips)
+    check_model_axes(strategy, name)
+    check_block_degree(strategy, model_cfg, seq_len)
+    check_unused_options(RunConfig(train=cfg, explicit=explicit), strategy)
+    context.check_attention(cfg.attention, tuple(a for a in context.attention_axes(strategy)[0] if strategy.degrees[a] > 1))
+    return model_cfg, strategy
+
+
+def _attention_for(asked: str, target: Target, seq_len: int, strategy, layout) -> str:
+    """The kernel the pod runs for ``--attention asked``: ``auto`` is JAX's splash kernel on a TPU pod
+    (this host's backend, the CPU, would choose blockwise), so the compiled memory is the pod's;
+    lengths splash cannot tile take blockwise, and so do block parallelism (its mask is evaluated
+    at each device's token places, which splash cannot) and the context ring (blockwise on each
+    pair of chunks: parallel/context.py)."""
+    if asked != "auto":
+        return asked
+    splash = target.compiler == "tpu" and seq_len % 128 == 0 and strategy.block_ranks == 1 and not layout.ring_axes
+    return "splash" if splash else "blockwise"
+
+
+def _memory_per_chip(stats, topology: Topology, trainer, strategy) -> dict:
+    """The compiled step's memory per chip (XLA's memory analysis), its peak against HBM, and the
+    state as stored (the ZeRO table)."""
+    peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+            + stats.generated_code_size_in_bytes)
+    return {
+        "arguments": stats.argument_size_in_bytes,
+        "outputs": stats.output_size_in_bytes,
+        "aliased": stats.alias_size_in_bytes,
+        "temporaries": stats.temp_size_in_bytes,
+        "generated_code": stats.generated_code_size_in_bytes,
+        "peak": peak,
+        "hbm": topology.hbm_bytes,
+        "fits": peak <= topology.hbm_bytes,
+        **trainer.stored_bytes_per_device(),
+        "zero_table": memory.zero_table(trainer, strategy),
+    }
+
+
+def _by_link(cols, rows, dcn: dict, topology: Topology, spec) -> tuple[dict, list[dict]]:
+    """The compiled collectives summed by kind, mesh axes and link; and for each axis misplaced
+    across slices, its bytes and their time over DCN against ICI."""
+    by_link = {}
+    for c, (_, _, sent, crosses) in zip(cols, rows):
+        key = f"{c.kind} over {'+'.join(c.mesh_axes) or '-'} ({'DCN' if crosses else 'ICI'})"
+        entry = by_link.setdefault(key, {"count": 0, "bytes_per_chip": 0.0})
+        entry["count"] += c.executions
+        entry["bytes_per_chip"] += sent
+    misplaced = []
+    for axis in dcn_misplaced(spec, dcn):
+        sent = [(c.kind, b) for c, (_, _, b, _) in zip(cols, rows) if axis in c.mesh_axes]
+        misplaced.append({
+            "axis": axis,
+            "bytes_per_chip": sum(b for _, b in sent),
+            "dcn_seconds": sum(roofline.collective_seconds(k, b, True, topology) for k, b in sent),
+            "ici_seconds": sum(roofline.collective_seconds(k, b, False, topology) for k, b in sent),
+        })
+    return by_link, misplaced
 
 
 def _float32_gradient_cost(cols, trainer) -> dict:
@@ -219,8 +253,8 @@ def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int
     n = trainer.layout.mesh.size
     devices = list(trainer.layout.mesh.devices.flat)
     ranked = []
-    for tensor in [t for t in _divisors(n) if t <= 16]:
-        for data in _divisors(n // tensor):
+    for tensor in [t for t in divisors(n) if t <= 16]:
+        for data in divisors(n // tensor):
             fsdp = n // tensor // data
             text = f"data={data},fsdp={fsdp},tensor={tensor}"
             try:

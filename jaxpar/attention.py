@@ -342,6 +342,19 @@ def _block_size(name: str, requested: int, length: int) -> int:
     return block
 
 
+# the kernels only one platform's compiler builds: (platform, what to use elsewhere)
+PLATFORM_KERNELS = {"splash": ("tpu", "cudnn on a GPU, blockwise or auto"), "cudnn": ("gpu", "splash on a TPU, blockwise or auto")}
+
+
+def check_platform(implementation: str, platform: str, where: str):
+    """Refuse, before any work, a kernel that ``where`` (e.g. "topology v5p-8"), a ``platform``
+    machine, cannot build: splash is a TPU Pallas kernel, cuDNN's flash attention a GPU one."""
+    if implementation in PLATFORM_KERNELS and PLATFORM_KERNELS[implementation][0] != platform:
+        kernel, fix = PLATFORM_KERNELS[implementation]
+        raise JaxparError(f"--attention {implementation} is a {kernel.upper()} kernel, but {where} runs on {platform.upper()}: "
+                          f"use {fix}")
+
+
 def choose_implementation(implementation: str, mask: Mask, dtype=jnp.float32, backend: str | None = None, lengths: tuple[int, int] = (128, 128)) -> str:
     """The implementation ``attention`` will run; ``auto`` by backend (``jax.default_backend()``
     unless given). Refuses an unknown name and a mask the named implementation cannot do."""
@@ -400,11 +413,20 @@ def attention(q, k, v, mask: Mask | None = None, *, implementation: str | None =
     _check(q, k, v, mask)
     active = _ACTIVE.get()
     if active is not None and active.manual and (active.layout.ring_axes or active.layout.a2a_axes):
-        # imported here: the ring is built from this module's chunk pieces
-        from jaxpar.collectives import context_attention
-
-        return context_attention.attention(q, k, v, mask, active.layout, implementation, block_q, block_kv, interpret)
+        return _SPLIT_SEQUENCE["attention"](q, k, v, mask, active.layout, implementation, block_q, block_kv, interpret)
     return _whole(q, k, v, mask, implementation, block_q, block_kv, interpret)
+
+
+# the attention of a sequence split over devices, which context parallelism's runtime
+# (``collectives/context_attention.py``, built from this module's chunk pieces) registers when its
+# strategy is imported (``parallel/context.py``): this module stays below both
+_SPLIT_SEQUENCE: dict = {}
+
+
+def register_split_sequence(fn):
+    """Make ``fn(q, k, v, mask, layout, implementation, block_q, block_kv, interpret)`` the
+    attention run where the active layout splits the sequence over devices."""
+    _SPLIT_SEQUENCE["attention"] = fn
 
 
 def _whole(q, k, v, mask: Mask, implementation: str, block_q: int, block_kv: int, interpret: bool):

@@ -17,6 +17,7 @@ EXIT_SIGTERM = 143
 EXIT_STATUSES = {
     EXIT_OK: "done",
     EXIT_FAILED: "the job failed: a process died or hung (launch), the loss became NaN or infinite (train), "
+    "the plan does not fit in a chip's memory (compile), the layout differs from one device (check), "
     "or an output could not be written (a full disk)",
     EXIT_BAD_INPUT: "bad input, refused before any work: the message names the value and the fix",
     EXIT_SIGINT: "interrupted by SIGINT (Ctrl-C): train stops after the step in progress, saves a checkpoint "
@@ -195,6 +196,7 @@ def _compile(args) -> int:
     if topology.platform != "tpu":
         _simulate_cpu_devices(topology.num_chips)
     from jaxpar.aot import compile_report, format_report
+    from jaxpar.errors import JobFailed, size_text
     from jaxpar.train.loop import check_at_least, check_writable, write_json_atomically
     from jaxpar.train.step import TrainConfig
 
@@ -206,12 +208,16 @@ def _compile(args) -> int:
                       microbatches=args.microbatches, attention=args.attention, **pipeline_flags)
     strategy = args.strategy + (f",context_algorithm={args.context_algorithm}" if args.context_algorithm else "")
     report = compile_report(args.model, topology, strategy, args.batch_size, args.seq_len, cfg, dump_hlo=args.dump_hlo,
-                            block_size=args.block_size, window=args.window)
+                            block_size=args.block_size, window=args.window, explicit=frozenset(pipeline_flags))
     print(format_report(report))
     if args.dump_hlo:
         print(f"\ncompiled program written to {args.dump_hlo}/step.hlo.txt")
     if args.json:
         write_json_atomically(args.json, report)
+    mem = report["memory_per_chip"]
+    if not mem["fits"]:  # a plan that does not fit is a failed plan, as when XLA:TPU refuses it (exit 1 both ways)
+        raise JobFailed(f"the plan DOES NOT FIT: {size_text(mem['peak'])} per chip, {size_text(mem['hbm'])} of HBM "
+                        f"(the report above)")
     return EXIT_OK
 
 
@@ -226,10 +232,13 @@ def _generate_parser(sub):
     p.add_argument("--denoise-steps", type=int, help="a block diffusion model: denoising steps per block (1 to the block size; "
                                                      "default the block size)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above 0: sample")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of ids holding this much probability")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature above 0: sample from the smallest set of ids "
+                                                             "holding this much probability")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--topology", default="cpu-1", help="devices to run on (default one CPU device)")
-    p.add_argument("--strategy", help='a layout for the weights, e.g. "tensor=2" or "data=2,tensor=4" (default: one device)')
+    p.add_argument("--step", type=int, metavar="N", help="generate from checkpoint N (default: the newest that verifies)")
+    p.add_argument("--topology", help="devices to run on (default: CPU, as many simulated devices as --strategy lays out)")
+    p.add_argument("--strategy", help='a layout for the weights, e.g. "tensor=2" or "data=2,tensor=4" (default: one device); '
+                                      'the prompts are padded to whole rows per data shard')
     p.add_argument("--json", metavar="PATH", help="write the tokens, the text and the time as JSON")
     p.add_argument("--permutation", metavar="PATH", help="a Llama: place heads and MLP columns on the tensor shards as this "
                                                         "file of `jaxpar affinity` says (for delay=1)")
@@ -244,16 +253,19 @@ def _affinity_parser(sub):
     p.add_argument("--out", required=True, metavar="PATH", help="where to write the permutation (JSON)")
     p.add_argument("--method", default="affinity", help="affinity (default), random or identity")
     p.add_argument("--seed", type=int, default=0, help="the random assignment's seed")
+    p.add_argument("--step", type=int, metavar="N", help="read checkpoint N (default: the newest that verifies)")
     return p
 
 
 def _affinity(args) -> int:
+    _simulate_cpu_devices(1)  # the weights are read on the host: no accelerator plugin is probed
     from jaxpar import affinity
     from jaxpar.serve import common
     from jaxpar.train.loop import check_writable
 
     check_writable(args.out, "--out")
-    model, meta = common.restore_model(args.checkpoint_dir, "llama")
+    with _one_line_warnings("affinity"):
+        model, meta = common.restore_model(args.checkpoint_dir, "llama", step=args.step)
     weights, cfg = affinity.weights_of(model), model.cfg
     chosen = affinity.assign(weights, cfg, args.tensor, args.method, args.seed)
     affinity.save(chosen, args.out, meta["model"], cfg)
@@ -265,10 +277,65 @@ def _affinity(args) -> int:
     return EXIT_OK
 
 
+@contextlib.contextmanager
+def _one_line_warnings(command: str):
+    """Warnings printed as one line each, ``jaxpar COMMAND: warning: ...`` (not Python's file, line
+    and source line); recorders (pytest.warns) still see them."""
+    import warnings
+
+    previous = warnings.formatwarning
+    warnings.formatwarning = lambda message, *rest, **kw: f"jaxpar {command}: warning: {message}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
+
+
+def _generate_topology(args):
+    """--topology, or (the default) simulated CPU devices, as many as --strategy lays out (set
+    before JAX starts), so that a strategy runs as written on any machine."""
+    if args.topology is not None:
+        return _cpu_topology_simulated(args.topology)
+    import dataclasses
+    import math
+
+    from jaxpar.errors import SpecError
+    from jaxpar.mesh import parse_degrees
+    from jaxpar.parallel import OPTIONS
+    from jaxpar.topology import load_topology
+
+    axes = ",".join(part for part in (args.strategy or "").split(",") if part.partition("=")[0].strip() not in OPTIONS)
+    try:
+        count = math.prod(degree for degree in parse_degrees(axes).values() if degree > 0)  # -1 fills one device
+    except SpecError:
+        count = 1  # parse_strategy refuses it in words, with the rest of the strategy
+    _simulate_cpu_devices(count)
+    return dataclasses.replace(load_topology("cpu-1"), name=f"cpu-{count}", num_chips=count, ici_shape=(count,),
+                               source="simulated CPU devices for --strategy")
+
+
+def _generate_prompts(args) -> list[str]:
+    """The prompts: --prompt, or each non-empty line of --prompts-file."""
+    from jaxpar.errors import JaxparError
+
+    if args.prompt is not None and args.prompts_file:
+        raise JaxparError("give --prompt or --prompts-file, not both")
+    if not args.prompts_file:
+        return [args.prompt or ""]
+    try:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as err:
+        raise JaxparError(f"--prompts-file {args.prompts_file!r} cannot be read as UTF-8 text: {err}") from None
+    if not prompts:
+        raise JaxparError(f"--prompts-file {args.prompts_file!r} has no non-empty line: write one prompt a line")
+    return prompts
+
+
 def _generate(args) -> int:
     import time
 
-    topology = _cpu_topology_simulated(args.topology)
+    topology = _generate_topology(args)
     from jaxpar.errors import JaxparError
     from jaxpar.serve import common
     from jaxpar.train.loop import check_writable, devices_for
@@ -276,21 +343,19 @@ def _generate(args) -> int:
     common.check_pick(args.temperature, args.top_p)
     if args.json:
         check_writable(args.json, "--json")
-    if args.prompt is not None and args.prompts_file:
-        raise JaxparError("give --prompt or --prompts-file, not both")
-    prompts = [args.prompt or ""]
-    if args.prompts_file:
-        try:
-            with open(args.prompts_file, encoding="utf-8") as f:
-                prompts = [line.rstrip("\n") for line in f if line.strip()]
-        except (OSError, UnicodeDecodeError) as err:
-            raise JaxparError(f"--prompts-file {args.prompts_file!r} cannot be read as UTF-8 text: {err}") from None
-    family = common.checkpoint_family(args.checkpoint_dir)
+    prompts = _generate_prompts(args)
+    family = common.checkpoint_family(args.checkpoint_dir, args.step)
     wrong = {"llama": ("--new-blocks", "--denoise-steps"), "bd3lm": ("--max-new-tokens", "--prompts-file", "--permutation")}[family]
     given = [flag for flag in wrong if getattr(args, flag[2:].replace("-", "_")) is not None]
     if given:
         raise JaxparError(f"{given[0]} is for {'block diffusion models' if family == 'llama' else 'a Llama'}; the checkpoint holds "
                           f"a {common.FAMILIES[family]}")
+    if family == "llama" and args.prompt is None and not args.prompts_file:
+        raise JaxparError("give --prompt TEXT or --prompts-file PATH: a Llama continues text (it has no start token)")
+    if not args.strategy and topology.num_chips > 1:  # else the weights would sit on one of them, without a word
+        raise JaxparError(f"--topology {args.topology} has {topology.num_chips} devices but without --strategy generation runs on "
+                          f"one: give --strategy with degrees that multiply to {topology.num_chips} (e.g. \"tensor="
+                          f"{topology.num_chips}\"), or drop --topology")
     layout = None
     if args.strategy:
         from jaxpar.parallel import build_layout, parse_strategy
@@ -298,9 +363,10 @@ def _generate(args) -> int:
         devices = devices_for(topology)
         layout = build_layout(parse_strategy(args.strategy, len(devices)), devices)
     began = time.perf_counter()
-    if family == "llama":
-        return _generate_llama(args, prompts, layout, began)
-    return _generate_blocks(args, prompts[0], layout, began)
+    with _one_line_warnings("generate"):
+        if family == "llama":
+            return _generate_llama(args, prompts, layout, began)
+        return _generate_blocks(args, prompts[0], layout, began)
 
 
 def _generate_llama(args, prompts, layout, began) -> int:
@@ -312,7 +378,7 @@ def _generate_llama(args, prompts, layout, began) -> int:
     new = 64 if args.max_new_tokens is None else args.max_new_tokens
     check_at_least("--max-new-tokens", new, 1)
     outs, decoded = decoder.generate_from_checkpoint(args.checkpoint_dir, prompts, new, temperature=args.temperature,
-                                                     top_p=args.top_p, seed=args.seed, layout=layout,
+                                                     top_p=args.top_p, seed=args.seed, layout=layout, step=args.step,
                                                      permutation=args.permutation)
     seconds = time.perf_counter() - began
     for out in outs:
@@ -338,11 +404,10 @@ def _generate_blocks(args, prompt, layout, began) -> int:
 
     new_blocks = 4 if args.new_blocks is None else args.new_blocks
     check_at_least("--new-blocks", new_blocks, 1)
-    # the bound of --denoise-steps, the block size, is the checkpoint's: checked again once it is read
-    steps = 1 if args.denoise_steps is None else args.denoise_steps
-    sampler.check_sampling(max(steps, 1), steps, args.temperature, args.top_p)
+    # --denoise-steps is checked against the checkpoint's block size, from its meta, before any array is read
     out = sampler.generate_from_checkpoint(args.checkpoint_dir, prompt, new_blocks, denoise_steps=args.denoise_steps,
-                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed, layout=layout)
+                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed, layout=layout,
+                                           step=args.step)
     seconds = time.perf_counter() - began
     print(out.text)
     new = len(out.tokens) - out.prompt_tokens
@@ -416,7 +481,7 @@ def _train(args) -> int:
     from jaxpar.report import format_summary, step_report
     from jaxpar.train.checkpoint import CheckpointConfig
     from jaxpar.train.loop import (
-        RunConfig, check_run, check_writable, interruption_message, run_training, write_json_atomically,
+        NothingToDo, RunConfig, check_run, check_writable, interruption_message, run_training, write_json_atomically,
     )
     from jaxpar.train.step import TrainConfig
 
@@ -446,10 +511,15 @@ def _train(args) -> int:
         ),
     )
     check_run(run, checkpoint, resume)  # before joining a multi-process job (run_training checks again)
-    if args.metrics_json:
-        check_writable(args.metrics_json, "--metrics-json")
+    if args.metrics_json:  # the report: about 3 KiB of settings and figures, and 75 bytes a step
+        check_writable(args.metrics_json, "--metrics-json", room=8192 + 96 * run.steps)
     launch.initialize(dist, topology.platform)
-    report = run_training(run, topology, checkpoint=checkpoint, resume=resume, analyze=step_report)
+    try:
+        report = run_training(run, topology, checkpoint=checkpoint, resume=resume, analyze=step_report,
+                              on_start=_partial_metrics(args.metrics_json, run, topology))
+    except NothingToDo as done:  # a job that is finished already: a rerun, or a launcher's restart after the last save
+        print(f"jaxpar train: {done}", file=sys.stderr)
+        return EXIT_OK
     import jax
 
     if jax.process_index() == 0:  # process 0 speaks for the job
@@ -463,6 +533,32 @@ def _train(args) -> int:
     if report["interrupted"]:
         return EXIT_ON_SIGNAL[report["interrupted"]]
     return EXIT_FAILED if report["nonfinite"] else EXIT_OK
+
+
+def _partial_metrics(path: str | None, run, topology):
+    """``run_training``'s ``on_start`` for ``--metrics-json``: a partial report, written before the
+    step is compiled, so that a disk that filled up since the start (``check_writable`` saw room for
+    the report) is refused then (exit 2) rather than after training; the full report replaces it
+    whole at the end, and a run that dies or cannot write it leaves the partial one as it is."""
+    if not path:
+        return None
+
+    def write():
+        import jax
+
+        from jaxpar.errors import JaxparError, JobFailed
+        from jaxpar.train.loop import write_json_atomically
+
+        if jax.process_index() != 0:  # process 0 writes for the job
+            return
+        partial = {"partial": True, "note": "the run started; its report replaces this file when it ends",
+                   "topology": topology.name, **{k: getattr(run, k) for k in ("model", "strategy", "steps", "batch_size", "seq_len", "seed")}}
+        try:
+            write_json_atomically(path, partial)
+        except JobFailed as err:
+            raise JaxparError(f"--metrics-json {path}: {err}") from None
+
+    return write
 
 
 def _train_dcp(args, topology) -> int:
@@ -496,16 +592,46 @@ class _Terminated(BaseException):
     """SIGTERM, raised like KeyboardInterrupt so that cleanup (``finally``) runs on the way out."""
 
 
-@contextlib.contextmanager
-def _sigterm_raises():
-    def terminated(signum, frame):
-        raise _Terminated
+def _end_now(command: str, signum: int):
+    """Say that ``command`` was stopped by ``signum`` and end the process at once with 130 / 143."""
+    with contextlib.suppress(Exception):  # a reader gone away: the exit status still tells
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        print(f"jaxpar {command}: {'interrupted by SIGINT' if signum == signal.SIGINT else 'stopped by SIGTERM'}",
+              file=sys.stderr, flush=True)
+    os._exit(EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM)
 
-    previous = signal.signal(signal.SIGTERM, terminated)
+
+@contextlib.contextmanager
+def _signals_end(command: str):
+    """While ``command`` runs, SIGINT and SIGTERM end it at once with one line and 130 / 143 (the
+    training loop defers them to the end of its step itself, atomic writes to their rename; a
+    signal the parent ignores stays ignored).
+
+    The handler leaves by ``os._exit``, not by an exception, for two reasons seen with jaxpar train.
+    jax waits for a compile that runs on an XLA thread and lets Python run handlers meanwhile: an
+    exception then unwound the main thread, and the interpreter's finalisation destroyed the XLA
+    client under the compile still running (SIGSEGV, status 139, 7 times in 8 during a compile). And
+    an exception raised by a handler is lost when the signal lands in a gc callback (jax registers
+    one) or a ``__del__``: Ctrl-C while jax was imported printed "Exception ignored" and the run went
+    on to the end. Exiting at once leaves nothing half-written: orbax commits a checkpoint by a rename
+    (an interrupted save is never picked up) and output files are written atomically. ``launch``
+    still raises: its ``finally`` blocks stop its processes, and it runs no XLA."""
+    def handler(signum, frame):
+        if command == "launch":
+            raise KeyboardInterrupt if signum == signal.SIGINT else _Terminated
+        _end_now(command, signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, old in previous.items():
+        if old is not signal.SIG_IGN:
+            signal.signal(sig, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            if old is not None:  # None: set outside Python, not restorable from here
+                signal.signal(sig, old)
 
 
 def _epilog() -> str:
@@ -535,7 +661,7 @@ def main(argv=None) -> int:
     command = {"train": _train, "bench": _bench, "compile": _compile, "launch": _launch, "checkpoints": _checkpoints,
                "check": _check, "generate": _generate, "affinity": _affinity}[args.command]
     message = None
-    with _sigterm_raises():
+    with _signals_end(args.command):
         try:
             status = command(args)
         except JobFailed as err:

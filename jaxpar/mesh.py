@@ -3,7 +3,7 @@
 A parallel spec gives the degree of each canonical mesh axis, e.g. ``"data=2,fsdp=-1,tensor=2"``;
 ``-1`` fills the rest of the devices (as in MaxText). On a multi-slice (or multi-node) topology the
 degrees are split into an ICI part (inside a slice) and a DCN part (across slices): only the axes
-that their strategy lets cross DCN (``dcn_axes()``) may, and the mesh gets the hybrid ICI x DCN device order.
+that their strategy lets cross DCN (``ParallelSpec.dcn_axes``) may, and the mesh gets the hybrid ICI x DCN device order.
 """
 
 from __future__ import annotations
@@ -15,26 +15,17 @@ import warnings
 from jaxpar.errors import SpecError
 
 
-def axes() -> tuple[str, ...]:
-    """The mesh axes, outermost (slowest links) first: every strategy's own, in the order of
-    ``jaxpar.parallel.STRATEGIES`` (``tensor``, on the fastest links, is innermost)."""
-    from jaxpar.parallel import STRATEGIES  # each strategy declares its axes; this module only orders them
-
-    return tuple(a for module in STRATEGIES for a in module.AXES)
-
-
-def dcn_axes() -> frozenset[str]:
-    """Axes whose traffic is light enough to cross the slow links between slices or nodes."""
-    from jaxpar.parallel import STRATEGIES
-
-    return frozenset(a for module in STRATEGIES if module.CROSSES_DCN for a in module.AXES)
-
-
 @dataclasses.dataclass(frozen=True)
 class ParallelSpec:
     """Degree of every canonical axis (1 where the spec did not name it)."""
 
-    degrees: dict[str, int]
+    degrees: dict[str, int]  # every mesh axis, outermost first (the strategies' order: ``jaxpar.parallel.AXES``)
+    # the axes whose traffic is light enough to cross the slow links between slices or nodes
+    dcn_axes: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(self.degrees)
 
     @property
     def num_devices(self) -> int:
@@ -43,6 +34,11 @@ class ParallelSpec:
     def __str__(self) -> str:
         named = [f"{a}={d}" for a, d in self.degrees.items() if d > 1]
         return ",".join(named) or "data=1"
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, smallest first (degrees that split ``n`` devices evenly)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def parse_degrees(spec: str) -> dict[str, int]:
@@ -62,14 +58,16 @@ def parse_degrees(spec: str) -> dict[str, int]:
     return items
 
 
-def parse_spec(spec: str | dict[str, int], num_devices: int) -> ParallelSpec:
-    """Parse ``"data=2,fsdp=-1,tensor=2"`` (or a dict) into degrees whose product is ``num_devices``."""
+def parse_spec(spec: str | dict[str, int], num_devices: int, axes: tuple[str, ...], dcn_axes=frozenset()) -> ParallelSpec:
+    """Parse ``"data=2,fsdp=-1,tensor=2"`` (or a dict) into degrees whose product is ``num_devices``,
+    over the mesh ``axes`` (outermost first) the strategies declare, of which ``dcn_axes`` may cross
+    the slow links (this module only orders and splits them: ``jaxpar.parallel`` owns them)."""
     if num_devices < 1:
         raise SpecError(f"spec {spec!r} is laid over {num_devices} devices; pass the device count, at least 1")
     items = parse_degrees(spec) if isinstance(spec, str) else dict(spec)
-    unknown = [k for k in items if k not in axes()]
+    unknown = [k for k in items if k not in axes]
     if unknown:
-        raise SpecError(f"unknown mesh axis {unknown[0]!r} in spec {spec!r}; the axes are {', '.join(axes())}")
+        raise SpecError(f"unknown mesh axis {unknown[0]!r} in spec {spec!r}; the axes are {', '.join(axes)}")
     fills = [k for k, v in items.items() if v == -1]
     if len(fills) > 1:
         raise SpecError(f"spec {spec!r} has -1 on {fills}; only one axis may fill the remaining devices")
@@ -89,7 +87,7 @@ def parse_spec(spec: str | dict[str, int], num_devices: int) -> ParallelSpec:
             f"spec {spec!r} multiplies to {fixed} devices but {num_devices} are available; "
             f"change a degree or put -1 on one axis to fill the rest"
         )
-    return ParallelSpec({a: items.get(a, 1) for a in axes()})
+    return ParallelSpec({a: items.get(a, 1) for a in axes}, frozenset(dcn_axes))
 
 
 _TRUE, _FALSE = {"on", "1", "true", "yes"}, {"off", "0", "false", "no"}
@@ -113,31 +111,31 @@ def split_ici_dcn(spec: ParallelSpec, num_slices: int) -> tuple[dict[str, int], 
     (``dcn_misplaced`` lists them; ``jaxpar compile`` prices the traffic). Raises only when no split
     exists at all.
     """
-    ici, dcn = dict(spec.degrees), {a: 1 for a in axes()}
+    ici, dcn = dict(spec.degrees), {a: 1 for a in spec.axes}
     remaining = num_slices
     for allowed in (True, False):
-        for axis in axes():
-            if remaining > 1 and (axis in dcn_axes()) == allowed and ici[axis] > 1:
+        for axis in spec.axes:
+            if remaining > 1 and (axis in spec.dcn_axes) == allowed and ici[axis] > 1:
                 take = math.gcd(ici[axis], remaining)
                 ici[axis] //= take
                 dcn[axis] *= take
                 remaining //= take
     if remaining != 1:
         raise SpecError(f"spec {spec} cannot be split over {num_slices} slices: no axis degrees divide into them")
-    misplaced = dcn_misplaced(dcn)
+    misplaced = dcn_misplaced(spec, dcn)
     if misplaced:
         warnings.warn(
             f"spec {spec} on {num_slices} slices puts {misplaced} across the slow links between slices "
-            f"(only {sorted(dcn_axes())} should cross them); give 'data' a degree that is a multiple of "
+            f"(only {sorted(spec.dcn_axes)} should cross them); give 'data' a degree that is a multiple of "
             f"{num_slices}, e.g. data={num_slices}",
             stacklevel=2,
         )
     return ici, dcn
 
 
-def dcn_misplaced(dcn: dict[str, int]) -> list[str]:
-    """Axes other than stage/data that cross slices."""
-    return [a for a, d in dcn.items() if d > 1 and a not in dcn_axes()]
+def dcn_misplaced(spec: ParallelSpec, dcn: dict[str, int]) -> list[str]:
+    """Axes that cross slices (``dcn``: their DCN degrees) though their traffic should not."""
+    return [a for a, d in dcn.items() if d > 1 and a not in spec.dcn_axes]
 
 
 def make_mesh(spec: ParallelSpec, devices=None, num_slices: int = 1):
@@ -158,11 +156,10 @@ def make_mesh(spec: ParallelSpec, devices=None, num_slices: int = 1):
     elif devices[0].platform == "tpu":
         from jax.experimental import mesh_utils  # follows the physical torus so axes map onto rings
 
-        shape = tuple(spec.degrees[a] for a in axes())
-        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        grid = mesh_utils.create_device_mesh(tuple(spec.degrees.values()), devices, allow_split_physical_axes=True)
     else:
-        grid = np.array(devices, dtype=object).reshape(tuple(spec.degrees[a] for a in axes()))
-    return Mesh(grid, axes(), axis_types=(AxisType.Auto,) * len(axes()))
+        grid = np.array(devices, dtype=object).reshape(tuple(spec.degrees.values()))
+    return Mesh(grid, spec.axes, axis_types=(AxisType.Auto,) * len(spec.axes))
 
 
 def _hybrid_grid(spec: ParallelSpec, devices, num_slices: int):
@@ -180,13 +177,13 @@ def _hybrid_grid(spec: ParallelSpec, devices, num_slices: int):
             from jax.experimental import mesh_utils  # physical torus order inside each slice
 
             return mesh_utils.create_hybrid_device_mesh(
-                [ici[a] for a in axes()], [dcn[a] for a in axes()], devices, allow_split_physical_axes=True
+                list(ici.values()), list(dcn.values()), devices, allow_split_physical_axes=True
             )
         devices = sorted(devices, key=lambda d: (d.slice_index, d.id))
     per_slice = len(devices) // num_slices
     slices = np.array(devices, dtype=object).reshape((num_slices, per_slice))
     # (dcn_0..dcn_5, ici_0..ici_5) -> interleave -> each axis = dcn * ici
-    full = slices.reshape(tuple(dcn[a] for a in axes()) + tuple(ici[a] for a in axes()))
-    n = len(axes())
+    full = slices.reshape(tuple(dcn.values()) + tuple(ici.values()))
+    n = len(spec.axes)
     full = full.transpose([i for pair in zip(range(n), range(n, 2 * n)) for i in pair])
-    return full.reshape(tuple(spec.degrees[a] for a in axes()))
+    return full.reshape(tuple(spec.degrees.values()))

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis import hlo
-from jaxpar.errors import LayoutError, NonFiniteStep
+from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.train.step import TrainConfig, Trainer, TrainState
 
@@ -234,3 +234,41 @@ def test_regather_auto_keeps_the_gathered_weights_on_the_gspmd_path():
     trainer.jit_step(batch).lower(trainer.abstract_state(), batch)  # the first trace chooses the path
     assert trainer.path == "gspmd" and not trainer.regather
     assert "the GSPMD path cannot gather again, so they are kept" in trainer.regather_reason
+
+
+# --- options the GSPMD path cannot apply are refused, not silently dropped (issue 27) ------------
+
+
+@pytest.mark.parametrize("spec, refused", [
+    ("data=2,tensor=4,sp=on", r"sequence parallelism \(sp=on\) needs jaxpar's manual step"),
+    ("data=2,tensor=4,sp=on,tp_overlap=on", r"sequence parallelism \(sp=on\) and collective matmul \(tp_overlap=on\) needs"),
+])
+def test_sequence_parallelism_and_collective_matmul_are_refused_on_the_gspmd_path(spec, refused):
+    # both act where a model calls jaxpar.nn.enter_block and reduce_partial: a plain Flax model would
+    # compile to the same program as without them. Refused by the trace that chooses the path (no compile)
+    layout = build_layout(parse_strategy(spec, 8), aliases=ALIASES)
+    trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, out_sharding=False), user_loss, CFG, optimizer=OPTIMIZER)
+    with pytest.raises(LayoutError, match=refused + r".*the model makes no jaxpar call"):
+        trainer.choose_path(trainer.abstract_state().params, trainer.abstract_batch(8, 16))
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_is_refused_for_a_model_without_a_layer_loop(remat):
+    # the policy goes on the scans over stacked layers (test_the_framework_recomputes_each_layer_of_a_stacked_model):
+    # layers in a Python list have none, and the step would be the same program. Refused as the Trainer is built
+    layout = build_layout(parse_strategy("fsdp=8", 8), aliases=ALIASES)
+    with pytest.raises(JaxparError, match=f"remat={remat} recomputes each iteration of the model's layer loop.*no stacked layer weights"):
+        Trainer(layout, lambda rngs: UserModel(rngs=rngs), user_loss, dataclasses.replace(CFG, remat=remat), optimizer=OPTIMIZER)
+
+
+def test_check_blames_a_non_finite_batch_not_the_layout():
+    # token 64 is past the vocabulary: nnx.Embed's lookup fills NaN for it, in the one row (one
+    # device's shard under fsdp=2) that holds it; one device computes NaN too, so no weight is blamed
+    tokens = np.array(jax.random.randint(jax.random.key(1), (8, 17), 0, 64))
+    tokens[5, 3] = 64
+    layout = build_layout(parse_strategy("fsdp=2", 2), jax.devices()[:2], aliases=ALIASES)
+    trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, out_sharding=False), user_loss, CFG, optimizer=OPTIMIZER)
+    report = trainer.check(tokens)
+    assert not report.ok and not report.reference_finite and report.failed == []
+    assert "the batch or the loss is non-finite (NaN or inf in the batch" in report.format()
+    assert "not the layout" in report.format() and "does not compute what one device computes" not in report.format()

@@ -1,14 +1,13 @@
 """The BD3-LM sampler (jaxpar/serve/bd3lm.py): the denoising rule on a made-up model whose answers
 say when each token was revealed; nucleus sampling; the KV cache against recomputing the prefix
-with the training forward; a layout against one device; generation from a checkpoint of the main
-job; bad input.
+with the training forward; a layout against one device; bad input. (From a checkpoint of `jaxpar
+train`, and `jaxpar generate`: test_generate_cli.py.)
 
 Tolerances (float32 on CPU): the cached and the recomputed logits within 1e-5 (the same sums in
 other orders, over the same keys; measured differences are ~1e-6); tokens exactly equal.
 """
 import dataclasses
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -156,44 +155,11 @@ def test_greedy_decoding_under_tensor_parallelism_equals_one_device():
     np.testing.assert_array_equal(split.generate(prompt, 3, denoise_steps=4), one.generate(prompt, 3, denoise_steps=4))
 
 
-# --- from a checkpoint of the main job -------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A checkpoint of `jaxpar train --model bd3lm-tiny --seq-len 32` after 10 steps on one device."""
-    from jaxpar.topology import load_topology
-    from jaxpar.train.checkpoint import CheckpointConfig
-    from jaxpar.train.loop import RunConfig, run_training
-
-    directory = tmp_path_factory.mktemp("bd3lm") / "run"
-    run = RunConfig(model="bd3lm-tiny", block_size=16, strategy="data=1", steps=10, batch_size=8, seq_len=32)
-    run_training(run, load_topology("cpu-1"), progress=None, checkpoint=CheckpointConfig(str(directory), every=10))
-    return str(directory)
-
-
-def test_generation_from_a_checkpoint_of_the_main_job(trained):
-    out = sampling.generate_from_checkpoint(trained, "The ", 2, denoise_steps=8)
-    assert (out.model, out.step, out.prompt_tokens) == ("bd3lm-tiny", 10, 4)
-    assert out.tokens.shape == (32,) and out.tokens.max() < 256  # two whole blocks of bytes, the prompt's 4 first
-    assert bytes(out.tokens[:4].astype(np.uint8)) == b"The "
-    assert out.text.startswith("The ") and out.text == sampling.decode_tokens(out.tokens)
-    assert out.continuation == sampling.decode_tokens(out.tokens[4:])
-    with pytest.raises(JaxparError, match=r"make 48 tokens \(whole blocks of 16: the prompt's last 4 open the first new block\), "
-                                          r"more than max_length=32"):
-        sampling.generate_from_checkpoint(trained, "The ", 3)  # past the run's --seq-len
-
-
-def test_a_checkpoint_restores_into_a_layout(trained):
-    """Only the parameters, read straight into the layout's shardings: the weights one device reads."""
-    layout = build_layout(parse_strategy("tensor=2", 2), jax.devices()[:2])
-    split, meta = common.restore_model(trained, "bd3lm", layout=layout)
-    one, _ = common.restore_model(trained, "bd3lm")
-    assert meta["data"]["seq_len"] == 32
-    wq = nnx.state(split)["layers"]["wq"].get_value()
-    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor") and len(wq.sharding.device_set) == 2
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(nnx.to_pure_dict(nnx.state(split))),
-                 jax.device_get(nnx.to_pure_dict(nnx.state(one))))
+def test_a_row_under_data_2_is_padded_and_the_padding_dropped():
+    layout = build_layout(parse_strategy("data=2,tensor=2", 4), jax.devices()[:4])
+    prompt = prompt_tokens(1, BLOCK + 3, seed=2)
+    ours = sampling.Sampler(model(), block_size=BLOCK, layout=layout).generate(prompt, 2, denoise_steps=4)
+    np.testing.assert_array_equal(ours, sampler().generate(prompt, 2, denoise_steps=4))  # (1, ...): the copy dropped
 
 
 # --- bad input -------------------------------------------------------------------------------------
@@ -210,7 +176,7 @@ def test_bad_input_is_refused_in_words():
             s.generate(prompt, 1, temperature=temperature)
     for top_p in (0.0, 1.5, -1.0):
         with pytest.raises(JaxparError, match=r"top_p=.* must lie in \(0, 1\]"):
-            s.generate(prompt, 1, top_p=top_p)
+            s.generate(prompt, 1, temperature=1.0, top_p=top_p)
     with pytest.raises(JaxparError, match=r"a prompt of 13 tokens and 2 new blocks make 24 tokens \(whole blocks of 8: the "
                                           r"prompt's last 5 open the first new block\), more than max_length=16"):
         s.generate(prompt_tokens(1, 13), 2, max_length=16)
@@ -227,17 +193,3 @@ def test_bad_input_is_refused_in_words():
     windowed = bd3lm.BD3LM(dataclasses.replace(model().cfg, window=32), rngs=nnx.Rngs(0))
     with pytest.raises(JaxparError, match=r"trained with a sliding window of 32 tokens.* not built yet"):
         sampling.Sampler(windowed)
-
-
-def test_jaxpar_generate_prints_the_checkpoints_continuation(trained, tmp_path, capsys):
-    from jaxpar import cli
-
-    argv = ["generate", "--checkpoint-dir", trained, "--prompt", "The ", "--new-blocks", "2", "--denoise-steps", "8",
-            "--json", str(tmp_path / "out.json")]
-    assert cli.main(argv) == cli.EXIT_OK
-    printed = capsys.readouterr()
-    expected = sampling.generate_from_checkpoint(trained, "The ", 2, denoise_steps=8)  # the block size read from the checkpoint
-    assert printed.out.startswith(expected.text) and "28 new tokens" in printed.err
-    assert json.loads((tmp_path / "out.json").read_text())["tokens"] == [int(t) for t in expected.tokens]
-    assert cli.main([*argv[:-2], "--top-p", "0"]) == cli.EXIT_BAD_INPUT
-    assert "top_p=0.0 must lie in (0, 1]" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 uninterrupted ones; bad input is refused before any device memory is touched; an interrupted
 save is never picked up."""
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import cli
+from jaxpar.train import loop
 
 from jaxpar.errors import JaxparError
 from jaxpar.models import llama
@@ -202,7 +204,7 @@ def test_job_killed_during_a_save_resumes_from_the_previous_checkpoint(saved, tm
     killed = _cli(os.path.join(JOBS, "kill_during_save.py"), "4", *CLI_RUN, "--checkpoint-dir", str(target))
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert sorted(os.listdir(target)) == ["2", "4.orbax-checkpoint-tmp", LOCK_NAME]
-    assert Checkpointer(CheckpointConfig(str(target)), create=False).latest_step() == 2
+    assert Checkpointer(CheckpointConfig(str(target)), create=False, writer=False).latest_step() == 2  # a reader: no lock
     resumed = _cli("-m", "jaxpar.cli", *CLI_RUN, "--checkpoint-dir", str(target), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from checkpoint 2" in resumed.stderr
@@ -368,3 +370,159 @@ def test_checkpoints_command_lists_each_with_its_layout_and_verdict(saved, tmp_p
     out = capsys.readouterr().out
     assert re.search(r"\n  4 .*damaged: array \S+ shard \d+ fails its checksum", out), out
     assert "6.orbax-checkpoint-tmp" in out and "interrupted save" in out
+
+
+def _listing(directory):
+    return sorted(os.listdir(directory))
+
+
+@pytest.mark.slow
+def test_two_resumes_started_together_one_trains_and_the_other_is_refused_naming_it(saved, tmp_path):
+    """The issue's loop: two `--resume` runs on one directory, started together, with other seeds."""
+    directory, _ = saved
+    target = tmp_path / "run"
+    shutil.copytree(directory, target)
+    argv = [*CLI_RUN[:4], "8", *CLI_RUN[5:-1], "1", "--keep-checkpoints", "20", "--checkpoint-dir", str(target), "--resume"]
+    began = time.perf_counter()
+    jobs = {seed: subprocess.Popen([sys.executable, "-m", "jaxpar.cli", *argv, "--seed", str(seed)], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True) for seed in (1, 2)}
+    ended = {}
+    while len(ended) < 2:
+        for seed, job in jobs.items():
+            if seed not in ended and job.poll() is not None:
+                ended[seed] = (job.returncode, job.stderr.read(), time.perf_counter() - began)
+        time.sleep(0.05)
+    (loser, (code, err, seconds)), (winner, (won, won_err, _)) = ended.items()  # in the order they ended
+    assert code == 2 and won == 0, (ended, won_err[-2000:])
+    assert re.fullmatch(f"jaxpar train: checkpoint directory {re.escape(str(target))} is in use by pid {jobs[winner].pid} on host .*"
+                        "choose another --checkpoint-dir\n", err), err
+    print(f"refused after {seconds:.1f} s")
+    assert _listing(target) == ["2", "4", "5", "6", "7", "8", LOCK_NAME]  # no stray *.orbax-checkpoint-tmp
+    reader = Checkpointer(CheckpointConfig(str(target)), create=False, writer=False)
+    assert {reader.read_meta(step)["data"]["seed"] for step in (5, 6, 7, 8)} == {winner}  # one run's checkpoints only
+    reader.close()
+
+
+@pytest.mark.parametrize("steps", ["4", "3"])  # at the checkpoint's step, below it
+def test_a_resume_with_nothing_to_do_says_so_and_deletes_nothing(saved, tmp_path, capsys, steps):
+    directory, _ = saved
+    copy = tmp_path / "run"
+    shutil.copytree(directory, copy)
+    listing = _listing(copy)
+    argv = [*CLI_RUN[:4], steps, *CLI_RUN[5:], "--checkpoint-dir", str(copy), "--resume", "--keep-checkpoints", "1"]
+    assert cli.main(argv) == cli.EXIT_OK
+    err = capsys.readouterr().err
+    assert err == (f"jaxpar train: nothing to do: checkpoint 4 in {copy} is at step 4, and --steps {steps} asks for no more; "
+                   "nothing was trained or deleted: pass --steps above 4 to train on\n")
+    assert _listing(copy) == listing  # keep 1 would have deleted checkpoint 2
+
+
+def _saved_as(directory, model, strategy, **fields):
+    """A checkpoint whose meta says it was trained as ``model`` under ``strategy`` (its arrays are
+    no model's: what is refused here is refused before any array is read)."""
+    ckpt = Checkpointer(CheckpointConfig(str(directory)))
+    ckpt.save(4, _small_state(4), {"model": model, "strategy": strategy, "devices": 8, "processes": 1,
+                                   "data": {"seed": 0, "batch_size": 8, "seq_len": 32, "next_step": 4}, **fields})
+    ckpt.close()
+
+
+@pytest.mark.parametrize(
+    "model, saved, given, message",
+    [
+        ("bd3lm-tiny", {"block_size": 16, "window": None}, ["--block-size", "8"],
+         "was trained with --block-size 16, and this run has --block-size 8: .*; pass --block-size 16 to resume it"),
+        ("bd3lm-tiny", {"block_size": 8, "window": None}, [],
+         "was trained with --block-size 8, and this run has --block-size 16 \\(the default\\)"),
+        ("bd3lm-tiny", {"block_size": 16, "window": None}, ["--window", "32"],
+         "was trained with no --window \\(the whole prefix\\), and this run has --window 32: .*; drop --window to resume it"),
+        ("bd3lm-tiny", {"block_size": 16, "window": 32}, ["--window", "16"],
+         "was trained with --window 32, and this run has --window 16: .*; pass --window 32 to resume it"),
+        ("tiny", {"strategy": "data=2,tensor=4,delay=1"}, ["--strategy", "data=2,tensor=4"],
+         "was trained under data=2,tensor=4,delay=1 \\(delay=1 over tensor=4\\), and this run's strategy data=2,tensor=4 has no "
+         "delay=1: .*; resume with tensor=4,delay=1 in --strategy"),
+        ("tiny", {"strategy": "fsdp=4,tensor=2"}, ["--strategy", "fsdp=4,tensor=2,delay=1"],
+         "was trained under fsdp=4,tensor=2 \\(no delay=1\\), and this run's strategy fsdp=4,tensor=2,delay=1 has delay=1 over "
+         "tensor=2: .*; drop delay=1 from --strategy to resume it"),
+        ("tiny", {"strategy": "data=2,tensor=4,delay=1"}, ["--strategy", "fsdp=4,tensor=2,delay=1"],
+         "was trained under data=2,tensor=4,delay=1 \\(delay=1 over tensor=4\\), and this run's strategy fsdp=4,tensor=2,delay=1 "
+         "has delay=1 over tensor=2: .*; resume with tensor=4,delay=1 in --strategy"),
+        ("bd3lm-tiny", {"strategy": "fsdp=8"}, ["--model", "tiny"],
+         "holds model bd3lm-tiny, and this run is --model tiny: pass --model bd3lm-tiny to resume it"),
+    ],
+    ids=["block-size", "block-size-default", "new-window", "other-window", "delay-to-tp", "tp-to-delay", "delay-degree", "model"],
+)
+def test_resuming_as_another_function_is_refused_before_any_array_is_read(tmp_path, capsys, model, saved, given, message):
+    """Same arrays, another function: a BD3-LM's blocks or window, delayed TP on, off or over another degree."""
+    directory = tmp_path / "run"
+    _saved_as(directory, model, **{"strategy": "fsdp=8", **saved})
+    listing, before = _listing(directory), _live_ids()
+    argv = [*CLI_RUN, "--model", model, "--checkpoint-dir", str(directory), "--resume", *given]
+    began = time.perf_counter()
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert re.fullmatch(f"jaxpar train: checkpoint 4 in {re.escape(str(directory))} {message}.*, or choose another --checkpoint-dir to train afresh\n",
+                        err), err
+    assert _live_ids() <= before and _listing(directory) == listing and time.perf_counter() - began < 20
+
+
+def _fill(disk):
+    """Fill a file system to the last byte."""
+    with open(disk / "filler", "ab", buffering=0) as f:
+        for size in (1 << 16, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
+
+
+def test_a_checkpoint_disk_that_cannot_hold_one_checkpoint_is_refused_at_start(tmp_path):
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "1m")  # a checkpoint of the tiny Llama's state takes about 10 MiB
+    try:
+        before = _live_ids()
+        with pytest.raises(JaxparError, match=r"cannot hold one checkpoint of this run \(9\.8 MiB to write, 1\.0 MiB free\); "
+                                              "free space there or choose another --checkpoint-dir"):
+            run_training(RUN, load_topology("cpu-8"), progress=None, checkpoint=CheckpointConfig(str(disk / "run")))
+        assert _live_ids() <= before and _listing(disk / "run") == [LOCK_NAME]
+        Checkpointer(CheckpointConfig(str(disk / "run"))).close()  # the refused run let the lock go
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+def test_metrics_on_a_full_disk_are_refused_at_start_and_a_late_failure_keeps_the_partial_report(tmp_path, monkeypatch, capsys):
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "64k")
+    metrics = disk / "metrics.json"
+    argv = [*CLI_RUN[:-2], "--metrics-json", str(metrics)]  # no checkpoints
+    try:
+        _fill(disk)
+        before = _live_ids()
+        assert cli.main(argv) == cli.EXIT_BAD_INPUT  # found before any work
+        err = capsys.readouterr().err
+        assert err == (f"jaxpar train: --metrics-json {metrics}: the disk has 0 KiB free, and the output needs about 8 KiB; "
+                       "free some space there or choose another path\n")
+        assert _live_ids() <= before and _listing(disk) == ["filler"]
+        (disk / "filler").unlink()
+        # the disk fills up during the run: the partial report written at start stays, whole
+        real = loop.run_training
+        monkeypatch.setattr(loop, "run_training", lambda *args, on_start, **kw: real(*args, on_start=lambda: (on_start(), _fill(disk)), **kw))
+        assert cli.main(argv) == cli.EXIT_FAILED
+        assert capsys.readouterr().err.splitlines()[-1] == (f"jaxpar train: could not write {metrics} (No space left on device); "
+                                                           "free some space there or choose another path")
+        partial = json.loads(metrics.read_text())
+        assert partial["partial"] is True and partial["steps"] == 4 and partial["strategy"] == "fsdp=8"
+        assert _listing(disk) == ["filler", "metrics.json"]  # no temporary file left behind
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+def test_a_save_that_fails_for_another_reason_than_space_says_so(tmp_path):
+    directory = tmp_path / "run"
+    ckpt = Checkpointer(CheckpointConfig(str(directory), async_save=False))
+    shutil.rmtree(directory)  # replaced under the run by a file, e.g. by another program
+    directory.write_text("")
+    with pytest.raises(CheckpointWriteFailed) as err:
+        ckpt.save(1, _small_state(1), {})
+    ckpt.close()
+    assert "free space" not in str(err.value) and "check that nothing else writes to or deletes from it" in str(err.value), err.value

@@ -51,6 +51,23 @@ BAD_INPUT = [
     ("train --schedule gpipe", "--schedule gpipe does nothing"),
     ("train --schedule 1f1b", "--schedule 1f1b does nothing"),  # the default, but given: the user meant something
     ("train --chunks 2", "--chunks 2 does nothing"),
+    # train: options that would change nothing, and refusals that suggest what works (issue 27)
+    ("train --strategy fsdp=8 --context-algorithm all-to-all", "context_algorithm=all-to-all (--context-algorithm) chooses how "
+     "attention crosses a sequence split by context=N, but the strategy has no context axis"),
+    ("train --strategy fsdp=8,context_algorithm=hybrid,a2a=2", "context_algorithm=hybrid (--context-algorithm) chooses"),
+    ("train --strategy fsdp=4,context=2 --attention splash", "--attention splash does nothing under the context ring over context"),
+    ("train --strategy fsdp=4,context=2 --attention cudnn", "--attention cudnn does nothing under the context ring over context"),
+    ("train --attention cudnn", "--attention cudnn is a GPU kernel, but this mesh runs on CPU"),
+    ("train --attention splash", "--attention splash is a TPU kernel, but this mesh runs on CPU"),
+    ("train --seed -1", "--seed -1 must be a whole number from 0"),
+    ("train --strategy stage=2,fsdp=4 --schedule interleaved-1f1b --chunks 0", "pass --chunks 2 or more"),
+    ("train --strategy stage=2,fsdp=4 --schedule interleaved-1f1b --chunks 1", "pass --chunks 2 or more"),
+    ("train --chunks 0", "--schedule interleaved-1f1b --chunks 2"),  # not --chunks 1, which is the default
+    ("train --strategy block=4,context=3", "on 8 devices e.g. --strategy data=2,block=4,context=2 or data=2,block=4,context=4"),
+    ("train --strategy fsdp=8,foo=bar", "'foo' in strategy 'fsdp=8,foo=bar' is not a mesh axis or an option; the axes are stage,"),
+    ("train --strategy data=8,param_shards=4", "the strategy has no fsdp axis (fsdp=1); use fsdp= a multiple of 4 above it, "
+     "e.g. fsdp=8,param_shards=4"),
+    ("train --strategy fsdp=8,param_shards=3", "over all of fsdp): one of 2, 4; or drop param_shards"),
     # train: model, hardware, fit
     ("train --model gpt5", "gpt5"),
     ("train --topology tpu-v9-1", "tpu-v9-1"),
@@ -69,6 +86,24 @@ BAD_INPUT = [
     ("compile --model tiny --topology cpu-8 --strategy context=8 --seq-len 36", "sequence length 36 does not split"),
     ("compile --model llama2-70b --topology cpu-8 --strategy fsdp=8", "llama2-70b (69.0B weights) needs"),
     ("compile --model tiny --topology cpu-8 --json {tmp}", "--json {tmp} is an existing directory"),
+    ("compile --model tiny --topology cpu-8 --strategy fsdp=8 --context-algorithm all-to-all", "but the strategy has no context axis"),
+    ("compile --model tiny --topology cpu-8 --strategy fsdp=4,context=2 --attention blockwise --context-algorithm hybrid",
+     "context_algorithm=hybrid with context=2 needs a2a=U"),
+    ("compile --model tiny --topology cpu-8 --strategy fsdp=4,context=2 --attention cudnn",
+     "--attention cudnn is a GPU kernel, but topology cpu-8 runs on CPU"),
+    # a pod's kernel, refused in the pod's words before the TPU compiler is loaded
+    ("compile --model tiny --topology v5p-8 --attention cudnn", "--attention cudnn is a GPU kernel, but topology v5p-8 runs on TPU: use splash on a TPU"),
+    ("compile --model tiny --topology cpu-8 --strategy stage=2,fsdp=4 --schedule interleaved-1f1b --chunks 1", "pass --chunks 2 or more"),
+    ("compile --model tiny --topology cpu-8 --chunks 2", "--chunks 2 does nothing"),
+    ("compile --model tiny --topology cpu-8 --schedule gpipe", "--schedule gpipe does nothing"),
+    ("compile --model tiny --topology cpu-8 --strategy block=4,context=3", "e.g. --strategy data=2,block=4,context=2"),
+    ("compile --model tiny --topology cpu-8 --strategy fsdp=8,foo=bar", "'foo' in strategy 'fsdp=8,foo=bar' is not a mesh axis"),
+    ("compile --model tiny --topology cpu-8 --strategy data=8,param_shards=4", "the strategy has no fsdp axis"),
+    # check
+    ("check --seed -1", "--seed -1 must be a whole number from 0"),
+    ("check --strategy fsdp=8,foo=bar", "'foo' in strategy 'fsdp=8,foo=bar' is not a mesh axis"),
+    ("check --strategy data=8,param_shards=4", "the strategy has no fsdp axis"),
+    ("check --strategy fsdp=8,context_algorithm=ring", "but the strategy has no context axis"),
     # bench: every entry is checked before the first runs (run_training is forbidden below)
     ("bench --steps 0", "--steps 0 is too small: it must be at least 2"),
     ("bench --steps 1", "--steps 1 is too small: it must be at least 2"),
@@ -77,6 +112,9 @@ BAD_INPUT = [
     ("bench --strategies ;", "--strategies ';': entry 1 of 2 is empty"),
     ("bench --strategies data=8;bogus=3", "'bogus'"),
     ("bench --strategies data=8;expert=2,fsdp=4", "the expert axis is not supported"),
+    ("bench --strategies data=8;fsdp=8,context_algorithm=all-to-all", "but the strategy has no context axis"),
+    ("bench --strategies data=8;fsdp=8,foo=bar", "'foo' in strategy 'fsdp=8,foo=bar' is not a mesh axis"),
+    ("bench --strategies data=8;data=8,param_shards=4", "the strategy has no fsdp axis"),
     ("bench --json {tmp}/file/rows.json", "{tmp}/file is a file, not a directory"),
     # launch
     ("launch -- /nonexistent", "command '/nonexistent' was not found"),
@@ -118,6 +156,32 @@ def test_bad_input_is_refused_in_one_line_before_any_work(command, culprit, plac
     assert len(lines) == 1 and lines[0].startswith(f"jaxpar {argv[0]}: "), err
     assert culprit.format(tmp=places) in err
     assert {id(a) for a in jax.live_arrays()} <= before  # no device memory touched
+
+
+def test_compile_exits_1_for_a_plan_that_does_not_fit_either_way(places, monkeypatch, capsys):
+    """A plan that does not fit is a negative answer, not bad input: status 1 (as check's layout that
+    differs) whether the report says DOES NOT FIT or XLA:TPU refuses to compile it. Nothing compiles here."""
+    from jaxpar import aot
+
+    report = {"memory_per_chip": {"fits": False, "peak": 3 * 2**20, "hbm": 2**20}}
+    with monkeypatch.context() as patched:
+        patched.setattr(aot, "compile_report", lambda *args, **kwargs: report)
+        patched.setattr(aot, "format_report", lambda r: "memory per chip: DOES NOT FIT")
+        argv = ["compile", "--model", "tiny", "--topology", "cpu-8", "--json", str(places / "plan.json")]
+        assert cli.main(argv) == cli.EXIT_FAILED
+    out, err = capsys.readouterr()
+    assert "DOES NOT FIT" in out
+    assert err == "jaxpar compile: the plan DOES NOT FIT: 3.0 MiB per chip, 1.0 MiB of HBM (the report above)\n"
+    assert json.loads((places / "plan.json").read_text()) == report  # the report is written all the same
+
+    def exhausted(self, batch):  # what XLA:TPU raises for a program larger than HBM
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 3.00M of 1.00M hbm.")
+
+    monkeypatch.setattr(Trainer, "jit_step", exhausted)
+    assert cli.main(["compile", "--model", "tiny", "--topology", "cpu-8", "--strategy", "fsdp=8"]) == cli.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar compile: tiny with batch 256 x 2048 under fsdp=8 does not fit on cpu-8: Ran out of memory")
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_a_spec_needs_devices():

@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 
 from jaxpar.errors import SpecError
-from jaxpar.mesh import axes, make_mesh, parse_spec, split_ici_dcn
+from jaxpar import mesh as mesh_lib
+from jaxpar.mesh import make_mesh, split_ici_dcn
+from jaxpar.parallel import AXES, DCN_AXES
+
+
+def parse_spec(text, num_devices):
+    return mesh_lib.parse_spec(text, num_devices, AXES, DCN_AXES)
 
 
 def test_fill_takes_the_remaining_devices():
@@ -31,7 +37,7 @@ def test_bad_specs_name_the_culprit(text, culprit):
 
 def test_dcn_goes_to_data_and_stage_only():
     ici, dcn = split_ici_dcn(parse_spec("data=4,fsdp=8,tensor=4", 128), 2)
-    assert dcn["data"] == 2 and ici["data"] == 2 and all(dcn[a] == 1 for a in axes() if a != "data")
+    assert dcn["data"] == 2 and ici["data"] == 2 and all(dcn[a] == 1 for a in AXES if a != "data")
     with pytest.warns(UserWarning, match=r"puts \['fsdp'\] across the slow links.*data=2"):
         ici, dcn = split_ici_dcn(parse_spec("fsdp=8,tensor=2", 16), 2)
     assert dcn["fsdp"] == 2 and ici["fsdp"] == 4
@@ -39,7 +45,7 @@ def test_dcn_goes_to_data_and_stage_only():
 
 def test_mesh_has_every_canonical_axis_in_order():
     mesh = make_mesh(parse_spec("fsdp=4,tensor=2", 8))
-    assert mesh.axis_names == axes()
+    assert mesh.axis_names == AXES
     assert dict(mesh.shape) == {"stage": 1, "data": 1, "fsdp_group": 1, "fsdp": 4, "expert": 1, "block": 1, "context": 1, "context_a2a": 1, "tp_x": 1, "tp_y": 1, "tensor": 2}
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.traverse_util import flatten_dict as flatten
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -22,7 +23,7 @@ from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.train import grad_sync, reductions
 from jaxpar.train.accumulate import accumulate, local_microbatches
 from jaxpar.train.placement import BatchPlacement
-from jaxpar.train.state import ShardedState, abstract_model, flatten
+from jaxpar.train.state import ShardedState, abstract_model
 from jaxpar.train.step import TrainConfig, Trainer
 
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -44,6 +44,8 @@ from jaxpar.rules import LOGICAL_AXES, Layout
 
 STRATEGIES = (stage, data, hierarchical_zero, fsdp, expert, block, context, axonn, tensor, sequence, delayed, overlap)
 OPTIONS = {key: (module, *parse) for module in STRATEGIES for key, parse in module.OPTIONS.items()}
+AXES = tuple(a for module in STRATEGIES for a in module.AXES)  # the mesh's axes, outermost (slowest links) first
+DCN_AXES = frozenset(a for module in STRATEGIES if module.CROSSES_DCN for a in module.AXES)  # may cross slices
 ACTIVATION_AXES = ("batch", "length", "residual_length")  # logical axes no weight has
 
 
@@ -81,6 +83,9 @@ def parse_strategy(text: str, num_devices: int) -> Strategy:
     axes, given = [], {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key = part.partition("=")[0].strip()
+        if key not in OPTIONS and key not in AXES:  # before its value is read as a degree
+            raise SpecError(f"{key!r} in strategy {text!r} is not a mesh axis or an option; the axes are "
+                            f"{', '.join(AXES)}, the options {', '.join(OPTIONS)}")
         if key in OPTIONS:
             if key in given:  # else the last would silently win
                 raise SpecError(f"option {key!r} is given twice in strategy {text!r} ({key}={given[key]} and {part}); give it once")
@@ -88,11 +93,11 @@ def parse_strategy(text: str, num_devices: int) -> Strategy:
         else:
             axes.append(part)
     written = ",".join(axes)
-    folded = block.fold(mesh_lib.parse_degrees(written))  # block=P,context=C: P devices in all
+    folded = block.fold(mesh_lib.parse_degrees(written), num_devices)  # block=P,context=C: P devices in all
     if folded != mesh_lib.parse_degrees(written):
-        spec = mesh_lib.parse_spec(folded, num_devices)
+        spec = mesh_lib.parse_spec(folded, num_devices, AXES, DCN_AXES)
     else:
-        spec = mesh_lib.parse_spec(written, num_devices) if axes else mesh_lib.parse_spec({"data": -1}, num_devices)
+        spec = mesh_lib.parse_spec(written if axes else {"data": -1}, num_devices, AXES, DCN_AXES)
     options = {key: (parse(key, given[key]) if key in given else default) for key, (_, parse, default) in OPTIONS.items()}
     degrees = spec.degrees
     for module in STRATEGIES:
@@ -104,8 +109,8 @@ def parse_strategy(text: str, num_devices: int) -> Strategy:
     written_block = mesh_lib.parse_degrees(written).get("block", 1)
     block_ranks = degrees["block"] * degrees["context"] if written_block != 1 and degrees["context"] > 1 else degrees["block"]
     if block_ranks > 1 and degrees["context"] > 1:
-        shown = str(mesh_lib.ParallelSpec(dict(spec.degrees, block=block_ranks)))
-    strategy = Strategy(mesh_lib.ParallelSpec(degrees), options, given, shown, block_ranks)
+        shown = str(dataclasses.replace(spec, degrees=dict(spec.degrees, block=block_ranks)))
+    strategy = Strategy(dataclasses.replace(spec, degrees=degrees), options, given, shown, block_ranks)
     for module in STRATEGIES:
         module.check(strategy)
     return strategy

@@ -31,8 +31,11 @@ Per layer and device: forward (C-1) x S tokens' K/V, backward their cotangents t
 forward again under remat).
 """
 
+import math
+
 from jaxpar.collectives import block_parallel
 from jaxpar.errors import SpecError
+from jaxpar.mesh import divisors
 from jaxpar.models.bd3lm import block_diffusion_mask
 from jaxpar.parallel import data
 
@@ -67,19 +70,40 @@ def check(strategy):
                         f"use context_algorithm=ring, not {strategy.options['context_algorithm']}")
 
 
-def fold(degrees: dict[str, int]) -> dict[str, int]:
+def fold(degrees: dict[str, int], num_devices: int) -> dict[str, int]:
     """The degrees as written, ``block=P,context=C``, as the mesh holds them: ``block`` P/C, so
-    that block x context = P devices. Refuses a P that is not a multiple of C."""
+    that block x context = P devices. Refuses a P that is not a multiple of C, suggesting degrees
+    that are and that fill ``num_devices``."""
     p, c = degrees.get("block", 1), degrees.get("context", 1)
     if p == -1 or p == 1 or c == 1:
         return degrees
     if c == -1 or p % c:
-        multiples = [str(c * k) for k in range(1, 5)] if c > 0 else []
+        fixes = _refolds(degrees, num_devices)
         raise SpecError(f"block={p} with context={c}: the BP degree (devices that own noisy blocks) must be a multiple of "
-                        f"the context degree (devices the clean half is split over), e.g. block="
-                        f"{' or block='.join(multiples) if multiples else 'P with context= a divisor of P'}; or context= one "
-                        f"of {', '.join(str(d) for d in range(2, p + 1) if p % d == 0) or 'none'}")
+                        f"the context degree (devices the clean half is split over), block=P,context=C using P devices; "
+                        + (f"on {num_devices} devices e.g. --strategy {' or '.join(fixes)}" if fixes else
+                           f"no such degrees fill {num_devices} devices with the other axes as given: change them too"))
     return dict(degrees, block=p // c)
+
+
+def _refolds(degrees: dict[str, int], num_devices: int) -> list[str]:
+    """Up to three strategies near ``degrees`` whose block is a multiple of context and that fill
+    ``num_devices`` (the other axes kept; ``data`` takes what is left if nothing fills it)."""
+    p, c = degrees["block"], degrees["context"]
+    near = [dict(degrees, block=c * k) for k in range(1, num_devices // c + 1)] if c > 1 else []
+    near += [dict(degrees, context=d) for d in divisors(p) if 1 < d]
+    out = []
+    for cand in near:
+        folded = dict(cand, block=cand["block"] // cand["context"])
+        fixed = math.prod(d for d in folded.values() if d != -1)
+        if num_devices % fixed:
+            continue
+        if -1 not in folded.values() and fixed != num_devices:
+            cand = {"data": cand.get("data", 1) * num_devices // fixed, **cand}
+        text = ",".join(f"{axis}={d}" for axis, d in cand.items())
+        if text not in out:
+            out.append(text)
+    return out[:3]
 
 
 def diffusion_axes(strategy) -> tuple[str, ...]:

@@ -28,8 +28,14 @@ Recomputation (``remat=full`` or ``dots``) runs the all-to-alls of the forward o
 
 import math
 
+from jaxpar import attention
+from jaxpar.collectives import context_attention
 from jaxpar.errors import SpecError
+from jaxpar.mesh import divisors
 from jaxpar.parallel import data
+
+# jaxpar.attention's op runs the ring or the all-to-all where a layout splits the sequence
+attention.register_split_sequence(context_attention.attention)
 
 AXES = ("context", "context_a2a")  # the ring across groups, the all-to-all inside one (neighbours)
 CROSSES_DCN = False
@@ -57,15 +63,27 @@ def reshape(degrees: dict, options: dict) -> dict:
     if options["context_algorithm"] != "hybrid":
         return degrees
     u, n = options["a2a"], degrees["context"]
-    if not 1 < u < n or n % u:
+    if n == 1:
+        raise SpecError(no_context_axis("hybrid"))
+    groups = [d for d in divisors(n) if 1 < d < n]  # all-to-all group sizes that leave a ring of at least 2
+    if u not in groups:
+        fix = f"e.g. a2a={groups[-1]}" if groups else f"context={n} has no such divisor: use context_algorithm=ring or all-to-all"
         raise SpecError(f"context_algorithm=hybrid with context={n} needs a2a=U, the size of each all-to-all group: a divisor "
                         f"of {n} strictly between 1 and {n} (the ring runs across the {n}/U groups); got a2a={u or 'nothing'}, "
-                        f"e.g. a2a={max(2, n // 2)}")
+                        f"{fix}")
     return dict(degrees, context=n // u, context_a2a=u)
+
+
+def no_context_axis(algorithm: str) -> str:
+    """The refusal of an attention algorithm for a sequence the strategy does not split."""
+    return (f"context_algorithm={algorithm} (--context-algorithm) chooses how attention crosses a sequence split by "
+            f"context=N, but the strategy has no context axis, so it would change nothing; add context=N or drop it")
 
 
 def check(strategy):
     algorithm = strategy.options["context_algorithm"]
+    if "context_algorithm" in strategy.given and strategy.degrees["context"] * strategy.degrees["context_a2a"] == 1:
+        raise SpecError(no_context_axis(algorithm))
     if strategy.degrees["context"] * strategy.degrees["context_a2a"] > 1 and strategy.degrees["stage"] > 1 and algorithm != "all-to-all":
         # measured on 8 simulated devices: wrong losses, different from run to run, and a deadlock
         # when only some devices take a branch holding a collective-permute
@@ -79,6 +97,16 @@ def check(strategy):
     if "a2a" in strategy.given and strategy.options["context_algorithm"] != "hybrid":
         raise SpecError(f"a2a= sizes the all-to-all groups of context_algorithm=hybrid, but {strategy} uses "
                         f"{strategy.options['context_algorithm']}; add context_algorithm=hybrid or drop a2a")
+
+
+def check_attention(implementation: str, ring_axes: tuple[str, ...]):
+    """Refuse a kernel the ring would not run: each pair of sequence chunks the ring meets runs
+    the blockwise kernel, whose log-sum-exp merges the partial results."""
+    if ring_axes and implementation in ("naive", "splash", "cudnn"):
+        raise SpecError(f"--attention {implementation} does nothing under the context ring over {'/'.join(ring_axes)}: the ring "
+                        f"runs the blockwise kernel on each pair of sequence chunks whatever --attention (their partial "
+                        f"results merged by log-sum-exp); use --attention auto or blockwise, or context_algorithm=all-to-all, "
+                        f"which runs {implementation} on whole sequences of fewer heads")
 
 
 def rules(strategy, compute: dict, stored: dict):

@@ -14,6 +14,7 @@ Memory per device: weights 4*Psi/P, gradient buffer 4*Psi/N, Adam moments 8*Psi/
 """
 
 from jaxpar.errors import SpecError
+from jaxpar.mesh import divisors
 
 AXES = ("fsdp_group",)  # outer to fsdp: each group is P neighbouring devices
 CROSSES_DCN = False
@@ -21,9 +22,13 @@ CROSSES_DCN = False
 
 def _shards(key: str, text: str) -> int:
     try:
-        return int(text)
+        shards = int(text)
     except ValueError:
-        raise SpecError(f"option {key}={text!r}: give the number of devices a weight is split over, e.g. {key}=4") from None
+        shards = 0
+    if shards < 2:  # 0 is the default's "not hierarchical": given, it would do nothing
+        raise SpecError(f"option {key}={text!r}: give the number of devices a weight is split over, at least 2, e.g. "
+                        f"{key}=4; or drop {key}")
+    return shards
 
 
 OPTIONS = {"param_shards": (_shards, 0)}  # 0: not hierarchical
@@ -34,9 +39,17 @@ def reshape(degrees: dict, options: dict) -> dict:
     shards, n = options["param_shards"], degrees["fsdp"]
     if not shards:
         return degrees
-    if not 1 < shards < n or n % shards:
-        raise SpecError(f"param_shards={shards} must divide fsdp={n} and lie strictly between 1 and {n} "
-                        f"(weights split over groups of that many devices); e.g. param_shards={max(2, n // 2)}")
+    groups = [d for d in divisors(n) if 1 < d < n]  # group sizes that leave at least 2 groups
+    if shards not in groups:
+        why = "hierarchical ZeRO: weights split inside groups of that many devices, gradients and optimizer state over all of fsdp"
+        size = max(shards, 2)
+        bigger = f"fsdp= a multiple of {size} above it, e.g. fsdp={2 * size},param_shards={size}"
+        if n == 1:
+            raise SpecError(f"param_shards={shards} splits the fsdp axis into groups ({why}), but the strategy has no fsdp "
+                            f"axis (fsdp=1); use {bigger}, or drop param_shards")
+        fix = f"one of {', '.join(map(str, groups))}" if groups else f"none: {n} is prime; use {bigger}"
+        raise SpecError(f"param_shards={shards} must divide fsdp={n} and lie strictly between 1 and {n} ({why}): {fix}; "
+                        f"or drop param_shards")
     return dict(degrees, fsdp=shards, fsdp_group=n // shards)
 
 

@@ -316,6 +316,19 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 }
 
 
+def check_chunks(name: str, chunks: int):
+    """Refuse, before any work, a ``--chunks`` below what schedule ``name`` runs, suggesting one
+    that it runs (interleaving needs 2 chunks per stage; the others run 1)."""
+    if name == "interleaved-1f1b" and chunks < 2:
+        raise ScheduleError(f"--chunks {chunks} is too small for --schedule interleaved-1f1b: it interleaves at least 2 "
+                            f"chunks of layers per stage (--chunks defaults to 1); pass --chunks 2 or more, or use "
+                            f"--schedule 1f1b for one chunk")
+    if chunks < 1:
+        raise ScheduleError(f"--chunks {chunks} is too small: a stage holds at least 1 chunk of layers, and more only "
+                            f"under --schedule interleaved-1f1b; drop --chunks (1 chunk), or pass --schedule "
+                            f"interleaved-1f1b --chunks 2")
+
+
 def make(name: str, stages: int, microbatches: int, chunks: int = 1, latency: int = 1) -> Schedule:
     """The schedule called ``name`` (one of ``SCHEDULES``); ``chunks`` only for interleaved-1f1b."""
     if name not in SCHEDULES:

@@ -39,7 +39,8 @@ those blocks (``_ShiftedBlocks``). It is the reference the cached path is tested
 
 Under a layout (``Sampler(layout=...)``) the weights are placed as the layout computes them and the
 programs are partitioned by XLA (jaxpar's GSPMD path: under ``rules.use_layout`` the model's
-``jaxpar.nn`` calls become sharding constraints); greedy decoding equals one device's.
+``jaxpar.nn`` calls become sharding constraints); greedy decoding equals one device's. The rows are
+padded to a whole number per data shard (copies of the first, dropped from the output).
 
 From a checkpoint of ``jaxpar train --model bd3lm-...`` (``generate_from_checkpoint``): only the
 parameters of the saved TrainState are read, into the layout's shardings, and checked against their
@@ -60,7 +61,7 @@ from jaxpar.attention import DEFAULT_BLOCK, BlockMask, Mask
 from jaxpar.errors import JaxparError
 from jaxpar.models import bd3lm
 from jaxpar.rules import Layout, use_layout
-from jaxpar.serve.common import (BYTE_VOCAB, Generated, Served, check_pick, decode_tokens, encode_text, is_int, pick,
+from jaxpar.serve.common import (BYTE_VOCAB, Generated, Served, check_pick, decode_tokens, encode_text, is_int, pad_rows, pick,
                                  restore_model)
 
 PATHS = ("cache", "recompute")
@@ -136,6 +137,8 @@ class Sampler(Served):
     config's; a checkpoint does not record ``--block-size``). ``layout``: place the weights and
     compile under it (default: one device). ``vocab``: produce only ids below it (default every
     data id; the byte tokenizer passes 256)."""
+
+    family = "bd3lm"
 
     def __init__(self, model, *, block_size: int | None = None, layout: Layout | None = None, vocab: int | None = None):
         cfg = model.cfg
@@ -224,6 +227,7 @@ class Sampler(Served):
             raise JaxparError(f"new_blocks={new_blocks!r} must be a positive int (blocks of {b} tokens to generate)")
         prompt = self._check_tokens(prompt, "the prompt")
         rows, length = prompt.shape
+        prompt = np.concatenate([prompt, np.repeat(prompt[:1], pad_rows(rows, self.layout), 0)])  # whole rows per data shard
         whole, tail = divmod(length, b)
         blocks = whole + new_blocks
         if max_length is not None and blocks * b > max_length:
@@ -231,7 +235,7 @@ class Sampler(Served):
             raise JaxparError(f"a prompt of {length} tokens and {new_blocks} new blocks make {blocks * b} tokens (whole blocks of "
                               f"{b}{opens}), more than max_length={max_length}: shorten the prompt, generate fewer blocks or "
                               f"raise max_length")
-        out = np.zeros((rows, blocks * b), np.int32)
+        out = np.zeros((len(prompt), blocks * b), np.int32)
         out[:, :length] = prompt
         key = jax.random.key(seed)
         statics = (steps, float(temperature), float(top_p))
@@ -240,7 +244,7 @@ class Sampler(Served):
                 cache = self._prefilled(out[:, : whole * b], (blocks - 1) * b)  # the last block is read by no later one
             for index in range(whole, blocks):
                 start = index * b
-                block = np.full((rows, b), self.cfg.mask_id, np.int32)
+                block = np.full((len(prompt), b), self.cfg.mask_id, np.int32)
                 if index == whole:
                     block[:, :tail] = prompt[:, start:]
                 block_key = jax.random.fold_in(key, index)
@@ -251,7 +255,7 @@ class Sampler(Served):
                 out[:, start:start + b] = np.asarray(done)
                 if path == "cache" and index < blocks - 1:
                     cache = self._program("commit")(self.params, cache, jnp.int32(start), out[:, start:start + b])
-        return out
+        return out[:rows]  # the padding rows dropped
 
     def block_logits(self, prefix, block, path: str = "cache") -> np.ndarray:
         """float32 logits (rows, B, vocab) of ``block`` (rows, B; MASK where unknown) read after the

@@ -1,11 +1,15 @@
-"""What jaxpar's samplers share: argument checks, the rule that picks an id from logits, and the
-weights placed as a layout computes with them (nothing to gather per step when serving)."""
+"""What jaxpar's samplers share: argument checks, the rule that picks an id from logits, the
+weights placed as a layout computes with them (nothing to gather per step when serving; rows padded
+to whole rows per data shard; an axis that would only copy work refused), and reading them from a
+``jaxpar train`` directory (the newest checkpoint that verifies, or the one asked for)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +26,9 @@ from jaxpar.train.state import abstract_model
 
 BYTE_VOCAB = 256  # the main job's tokens are UTF-8 bytes (train/data.py)
 FAMILIES = {"llama": "Llama", "bd3lm": "block diffusion model"}  # models.model_family's names, in words
+# whether a family's sampler runs many positions in one step (a BD3-LM denoises a block of them),
+# which a layout may split over context or block devices; a Llama decodes one token a step
+SPLITS_LENGTH = {"llama": False, "bd3lm": True}
 
 
 def is_int(x) -> bool:
@@ -38,6 +45,11 @@ def check_pick(temperature, top_p) -> None:
         raise JaxparError(f"temperature={temperature!r} must be a finite number >= 0 (0: greedy, the most probable id)")
     if not is_real(top_p) or not 0 < top_p <= 1:
         raise JaxparError(f"top_p={top_p!r} must lie in (0, 1] (1: sample from the whole distribution)")
+    # refused rather than ignored: greedy picks the most probable id, which every nucleus holds, so
+    # the text would be greedy's while the caller believes it sampled
+    if temperature == 0 and top_p < 1:
+        raise JaxparError(f"top_p={top_p!r} does nothing at temperature=0 (greedy decoding takes the most probable id, which "
+                          f"every nucleus holds): give a temperature above 0 to sample from the nucleus, or drop top_p")
 
 
 def pick(logits, temperature: float, top_p: float, key):
@@ -62,6 +74,7 @@ class Served:
 
     DONATES: dict = {}  # program name -> the arguments it consumes (a cache it returns updated)
     manual = False
+    family = ""  # a key of FAMILIES (a subclass's)
 
     def __init__(self, model, layout: Layout | None, vocab, model_vocab: int, vocab_name: str):
         self.vocab = model_vocab if vocab is None else vocab
@@ -69,6 +82,7 @@ class Served:
             raise JaxparError(f"vocab={vocab!r} must be an int in [1, {vocab_name}={model_vocab}]: the ids it may produce")
         self.layout = layout
         self._graphdef, state = nnx.split(model)
+        check_layout(layout, state, self.family)
         if layout is not None:
             state = map_weights(lambda var: jax.device_put(var.get_value(), compute_sharding(var, layout)), state)
         self._template = state
@@ -124,58 +138,135 @@ def map_weights(fn, state):
     return jax.tree.map(lambda var: var.replace(value=fn(var)), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
+def check_layout(layout: Layout | None, state, family: str) -> None:
+    """Refuse a mesh axis that serving would only copy work over: one that splits no weight of
+    ``state`` (abstract or not), not the rows and, for a family that runs one position a step (a
+    Llama), not the sequence either."""
+    if layout is None:
+        return
+    used = set(layout.batch_axes) | (set(layout.axes_of("length")) if SPLITS_LENGTH[family] else set())
+    for var in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable)):
+        for entry in compute_sharding(var, layout).spec:
+            used.update((entry,) if isinstance(entry, str) else entry or ())
+    idle = [(axis, n) for axis, n in layout.mesh.shape.items() if n > 1 and axis not in used]
+    if not idle:
+        return
+    axis, n = idle[0]
+    why = (f"a {FAMILIES[family]} decodes one token a step, which cannot be split over devices" if axis in layout.axes_of("length")
+           else f"it splits no weight of the model and not the rows, so its {n} devices would each compute the same")
+    raise JaxparError(f"{axis}={n} cannot serve: {why}; use tensor (the weights) or data (the rows) instead")
+
+
+def pad_rows(rows: int, layout: Layout | None) -> int:
+    """How many rows to add to ``rows`` so that each data shard of ``layout`` gets whole rows (the
+    samplers add copies of the first and drop their outputs)."""
+    return 0 if layout is None else -rows % layout.batch_shards
+
+
 # --- from a checkpoint of the main job -------------------------------------------------------------
 
 
-def checkpoint_family(checkpoint_dir: str) -> str:
-    """The model family (``llama``, ``bd3lm``) of the newest ``jaxpar train`` checkpoint in
-    ``checkpoint_dir``, from its meta alone."""
-    ckpt = checkpoint_lib.Checkpointer.existing(checkpoint_lib.CheckpointConfig(checkpoint_dir))
+def open_checkpoints(checkpoint_dir: str) -> checkpoint_lib.Checkpointer:
+    """The checkpoints of a ``jaxpar train --checkpoint-dir``, opened to read (no lock taken);
+    a path that is no such directory, or one that holds no complete checkpoint, is refused in words."""
+    where, fix = f"--checkpoint-dir {checkpoint_dir!r}", "point it at a directory `jaxpar train --checkpoint-dir` saved into"
+    if not os.path.exists(checkpoint_dir):
+        raise JaxparError(f"{where} does not exist; {fix}")
+    if not os.path.isdir(checkpoint_dir):
+        raise JaxparError(f"{where} is a file, not a checkpoint directory; {fix}")
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.CheckpointConfig(checkpoint_dir), create=False, writer=False)
+    if not ckpt.steps():
+        ckpt.close()
+        partial = sorted(n for n in os.listdir(checkpoint_dir) if "tmp" in n or checkpoint_lib.DAMAGED_SUFFIX in n)
+        what = f"only interrupted or damaged saves ({', '.join(partial)})" if partial else "no checkpoint"
+        raise JaxparError(f"{where} holds {what}; train into it first, or {fix}")
+    return ckpt
+
+
+def _steps_to_try(ckpt, checkpoint_dir: str, step: int | None) -> list[int]:
+    """``step``, refused in words if the directory lacks it; default every step, newest first."""
+    steps = ckpt.steps()
+    if step is None:
+        return steps[::-1]
+    if step not in steps:
+        raise JaxparError(f"--step {step}: {checkpoint_dir!r} holds no checkpoint {step}; it holds "
+                          f"{', '.join(map(str, steps))}: choose one of those")
+    return [step]
+
+
+def checkpoint_family(checkpoint_dir: str, step: int | None = None) -> str:
+    """The model family (``llama``, ``bd3lm``) of checkpoint ``step`` (default: the newest whose
+    meta reads) of a ``jaxpar train`` directory, from its meta alone."""
+    ckpt = open_checkpoints(checkpoint_dir)
     try:
-        return model_family(model_config(ckpt.read_meta(ckpt.latest_step())["model"]))
+        for candidate in _steps_to_try(ckpt, checkpoint_dir, step):
+            try:
+                return model_family(model_config(ckpt.read_meta(candidate)["model"]))
+            except checkpoint_lib.CheckpointDamaged:
+                if step is not None or candidate == ckpt.steps()[0]:
+                    raise
     finally:
         ckpt.close()
 
 
 def restore_model(checkpoint_dir: str, family: str, *, layout: Layout | None = None, step: int | None = None, check_meta=None):
-    """(model, meta) of a ``jaxpar train`` checkpoint (default: the newest) of a model of
-    ``family`` (``models.model_family``: llama, bd3lm): only the TrainState's parameters are
-    read, straight into ``layout``'s compute shardings (default: the first device), and checked
-    against their saved checksums (``CheckpointDamaged`` names a damaged array).
-    ``check_meta(meta, cfg)`` may refuse the request from the checkpoint's meta before any array
-    is read."""
-    ckpt = checkpoint_lib.Checkpointer.existing(checkpoint_lib.CheckpointConfig(checkpoint_dir))
+    """(model, meta) of a ``jaxpar train`` checkpoint of a model of ``family``
+    (``models.model_family``: llama, bd3lm): checkpoint ``step``, or by default the newest that
+    verifies (a newer damaged one is named in a warning, and left where it is). Only the
+    TrainState's parameters are read, straight into ``layout``'s compute shardings (default: the
+    first device), and checked against their saved checksums. ``check_meta(meta, cfg)`` may
+    refuse the request from the checkpoint's meta before any array is read."""
+    ckpt, damaged = open_checkpoints(checkpoint_dir), []
     try:
-        step = ckpt.latest_step() if step is None else step
-        if step not in ckpt.steps():
-            raise JaxparError(f"checkpoint directory {checkpoint_dir!r} holds no checkpoint {step}; it holds {ckpt.steps()}")
-        meta = ckpt.read_meta(step)
-        cfg = model_config(meta["model"])
-        if model_family(cfg) != family:
-            raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} holds {meta['model']!r}, a {FAMILIES[model_family(cfg)]}; "
-                              f"this generates from {FAMILIES[family]}s")
-        if check_meta is not None:
-            check_meta(meta, cfg)
-        graphdef, abstract = abstract_model(model_and_loss(cfg)[0])
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        where = (lambda var: one) if layout is None else (lambda var: compute_sharding(var, layout))
-        shapes = map_weights(lambda var: jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=where(var)), abstract)
-        item = {"params": nnx.to_pure_dict(shapes)}
-        saved = {path: sig for path, sig in meta["arrays"].items() if path.startswith("params/")}
-        problem = checkpoint_lib.describe_mismatch(saved, checkpoint_lib.array_signature(item))
-        if problem:
-            raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} does not fit model {meta['model']!r}: {problem}")
-        restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), item)
-        try:
-            restored = ckpt.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))["state"]
-        except Exception as err:  # noqa: BLE001 - truncated or missing array files surface as TensorStore errors
-            raise checkpoint_lib.CheckpointDamaged(step, f"its parameters cannot be read ({checkpoint_lib.first_line(err)})") from None
-        records = {path: meta["checksums"][path] for path in saved}
-        sums = checkpoint_lib.state_checksums(restored, {path: record["grid"] for path, record in records.items()})
-        checkpoint_lib.compare_checksums(step, records, sums)
+        for candidate in _steps_to_try(ckpt, checkpoint_dir, step):
+            try:
+                model, meta = _restore_step(ckpt, checkpoint_dir, candidate, family, layout, check_meta)
+                break
+            except checkpoint_lib.CheckpointDamaged as err:
+                if step is not None:  # the one asked for: no other
+                    others = [str(s) for s in ckpt.steps() if s != step]
+                    raise JaxparError(f"{err}; choose another with --step ({', '.join(others) or 'none'})") from None
+                damaged.append(err)
+        else:
+            raise JaxparError(f"no checkpoint in {checkpoint_dir!r} verifies: {'; '.join(map(str, damaged))}; train again, or "
+                              f"restore the directory from a copy")
     finally:
         ckpt.close()
+    if damaged:
+        gist = "; ".join(f"checkpoint {d.step} is damaged ({d.reason.split(' (')[0]})" for d in damaged)  # the rest: jaxpar checkpoints
+        warnings.warn(f"{gist}: read checkpoint {meta['step']} instead, the newest that verifies (--step N chooses one; "
+                      f"`jaxpar checkpoints {checkpoint_dir}` lists them)", stacklevel=2)
+    return model, meta
+
+
+def _restore_step(ckpt, checkpoint_dir: str, step: int, family: str, layout: Layout | None, check_meta):
+    """``restore_model`` of one step; raises CheckpointDamaged naming what is damaged."""
+    meta = ckpt.read_meta(step)
+    cfg = model_config(meta["model"])
+    if model_family(cfg) != family:
+        raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} holds {meta['model']!r}, a {FAMILIES[model_family(cfg)]}; "
+                          f"this generates from {FAMILIES[family]}s")
+    if check_meta is not None:
+        check_meta(meta, cfg)
+    graphdef, abstract = abstract_model(model_and_loss(cfg)[0])
+    check_layout(layout, abstract, family)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    where = (lambda var: one) if layout is None else (lambda var: compute_sharding(var, layout))
+    shapes = map_weights(lambda var: jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=where(var)), abstract)
+    item = {"params": nnx.to_pure_dict(shapes)}
+    saved = {path: sig for path, sig in meta["arrays"].items() if path.startswith("params/")}
+    problem = checkpoint_lib.describe_mismatch(saved, checkpoint_lib.array_signature(item))
+    if problem:
+        raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} does not fit model {meta['model']!r}: {problem}")
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), item)
+    try:
+        restored = ckpt.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))["state"]
+    except Exception as err:  # noqa: BLE001 - truncated or missing array files surface as TensorStore errors
+        raise checkpoint_lib.CheckpointDamaged(step, f"its parameters cannot be read ({checkpoint_lib.first_line(err)})") from None
+    records = {path: meta["checksums"][path] for path in saved}
+    sums = checkpoint_lib.state_checksums(restored, {path: record["grid"] for path, record in records.items()})
+    checkpoint_lib.compare_checksums(step, records, sums)
     state = jax.tree.map(lambda v: v, abstract)
     nnx.replace_by_pure_dict(state, restored["params"])
     return nnx.merge(graphdef, state), meta

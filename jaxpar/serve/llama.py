@@ -19,9 +19,11 @@ Under a layout (``Decoder(layout=...)``) the weights are placed as the layout co
 programs are partitioned by XLA (under ``rules.use_layout`` the model's ``jaxpar.nn`` calls become
 sharding constraints); greedy decoding equals one device's. Under delayed TP (``delay=1``) each
 device keeps a residual stream of its own, which only jaxpar's collectives can run: the programs
-then run inside one ``shard_map`` (``Served.manual``), the rows padded to a whole number per data
-shard, each device's cache holding its own key/value heads, and the logits' vocabulary shards
-summed into whole rows before an id is picked.
+then run inside one ``shard_map`` (``Served.manual``), each device's cache holding its own
+key/value heads, and the logits' vocabulary shards summed into whole rows before an id is picked.
+On either path the rows are padded to a whole number per data shard (copies of the first prompt,
+their outputs dropped), and a layout axis that would only copy work (``context``: one token a
+step cannot be split) is refused (``common.check_layout``).
 
 From a checkpoint of ``jaxpar train`` (``generate_from_checkpoint``): only the parameters are read,
 into the layout's shardings, and checked against their saved checksums (``common.restore_model``);
@@ -47,7 +49,7 @@ from jaxpar.errors import JaxparError
 from jaxpar.models.llama import LOGITS, LlamaConfig
 from jaxpar.nn import shard_offset
 from jaxpar.rules import Layout, use_layout
-from jaxpar.serve.common import (BYTE_VOCAB, Generated, Served, check_pick, decode_tokens, encode_text, is_int, pick,
+from jaxpar.serve.common import (BYTE_VOCAB, Generated, Served, check_pick, decode_tokens, encode_text, is_int, pad_rows, pick,
                                  restore_model)
 
 
@@ -72,6 +74,7 @@ class Decoder(Served):
     byte tokenizer passes 256)."""
 
     DONATES = {"prefill": (1,), "step": (1,)}  # the cache, returned written
+    family = "llama"
 
     def __init__(self, model, *, layout: Layout | None = None, vocab: int | None = None):
         cfg = model.cfg
@@ -166,8 +169,7 @@ class Decoder(Served):
                               f"more than max_length={max_length}: shorten the prompt, ask for fewer tokens or raise max_length")
         width = longest if longest <= DEFAULT_BLOCK else -(-longest // DEFAULT_BLOCK) * DEFAULT_BLOCK  # the prefill's tiling
         asked = len(prompts)
-        if self.manual:  # whole rows per data shard: the first prompt again, its output dropped
-            prompts = prompts + prompts[:1] * (-asked % self.layout.batch_shards)
+        prompts = prompts + prompts[:1] * pad_rows(asked, self.layout)  # whole rows per data shard; outputs dropped
         rows, total = len(prompts), width + max_new_tokens
         pads = np.array([width - len(p) for p in prompts], np.int32)
         out = np.zeros((rows, total), np.int32)
@@ -217,32 +219,36 @@ def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_to
     if not encoded or empty:
         raise JaxparError(f"prompt {empty[0]} is empty: give each prompt some text" if empty else "no prompt given: pass at least one")
 
+    placed = []  # the permutation, once read and checked against the model and the layout
+
     def check(meta, cfg):  # before any array is read
         bound, what = (meta["data"]["seq_len"], "the run's --seq-len") if max_length is None else (max_length, "max_length")
         longest = max(len(e) for e in encoded)
         if longest + max_new_tokens > bound:
             raise JaxparError(f"a prompt of {longest} tokens and {max_new_tokens} new ones make {longest + max_new_tokens} tokens, "
                               f"more than {bound} ({what}): shorten the prompt or ask for fewer tokens")
-
-    def check_all(meta, cfg):
-        check(meta, cfg)
         if permutation is not None:
-            loaded.append(affinity.load(permutation, meta["model"], cfg))
-        trained, served = "delay=1" in meta["strategy"].split(","), bool(layout is not None and layout.delay_axes)
-        if trained and permutation is not None:
-            warnings.warn(f"checkpoint of {meta['model']} was trained under {meta['strategy']!r} with its heads and MLP "
-                          f"columns where they are: the permutation changes what each device sees late, so the model served "
-                          f"is not the one trained (choose a permutation for a model trained as TP)", stacklevel=3)
-        if trained != served:
-            warnings.warn(f"checkpoint of {meta['model']} trained under {meta['strategy']!r} is served "
-                          f"{'with' if served else 'without'} delay=1: delayed TP computes a different function from TP, "
-                          f"so the text may be worse than the model's held-out loss says", stacklevel=3)
+            placed[:] = [affinity.load(permutation, meta["model"], cfg, serving=True, layout=layout)]
 
-    loaded: list = []
-    model, meta = restore_model(checkpoint_dir, "llama", layout=layout, step=step, check_meta=check_all)
-    if loaded:
-        affinity.permute_model(model, loaded[0])
+    model, meta = restore_model(checkpoint_dir, "llama", layout=layout, step=step, check_meta=check)
+    _warn_of_delay(meta, layout, permutation)
+    if placed:
+        affinity.permute_model(model, placed[0])
     decoded = Decoder(model, layout=layout, vocab=BYTE_VOCAB).generate(encoded, max_new_tokens, temperature=temperature,
                                                                        top_p=top_p, seed=seed)
     return [Generated(decode_tokens(t), decode_tokens(t[len(e):]), t, len(e), meta["model"], meta["step"])
             for t, e in zip(decoded.tokens, encoded)], decoded
+
+
+def _warn_of_delay(meta: dict, layout: Layout | None, permutation: str | None) -> None:
+    """Say so when the model served is not the function trained: delayed TP (``delay=1``) on one
+    side only, or a DTP model's units moved by a permutation."""
+    trained, served = "delay=1" in meta["strategy"].split(","), bool(layout is not None and layout.delay_axes)
+    if trained and permutation is not None:
+        warnings.warn(f"checkpoint of {meta['model']} was trained under {meta['strategy']!r} with its heads and MLP "
+                      f"columns where they are: the permutation changes what each device sees late, so the model served "
+                      f"is not the one trained (choose a permutation for a model trained as TP)", stacklevel=3)
+    if trained != served:
+        warnings.warn(f"checkpoint of {meta['model']} trained under {meta['strategy']!r} is served "
+                      f"{'with' if served else 'without'} delay=1: delayed TP computes a different function from TP, "
+                      f"so the text may be worse than the model's held-out loss says", stacklevel=3)

@@ -12,9 +12,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax.traverse_util import flatten_dict as flatten
+from flax.traverse_util import unflatten_dict as nest
 
 from jaxpar.rules import Layout, varying_axes
-from jaxpar.train.state import flatten, nest
 
 
 def local_microbatches(batch, k: int):

@@ -35,17 +35,31 @@ class CheckReport:
     reference_loss: float
     tolerance: float
     weights: tuple[WeightCheck, ...]
+    # weights whose one-device gradient (the oracle's) is NaN or infinite: nothing to compare against
+    nonfinite_reference: tuple[str, ...] = ()
+
+    @property
+    def reference_finite(self) -> bool:
+        return bool(np.isfinite(self.reference_loss)) and not self.nonfinite_reference
 
     @property
     def failed(self) -> list[WeightCheck]:
-        return [w for w in self.weights if not w.ok]
+        """The weights whose gradient differs from one device's (none is blamed when one device's
+        own loss or gradients are not finite: the layout is then not what went wrong)."""
+        return [w for w in self.weights if not w.ok] if self.reference_finite else []
 
     @property
     def ok(self) -> bool:
         loss_ok = abs(self.loss - self.reference_loss) <= self.tolerance * max(abs(self.reference_loss), 1e-6)
-        return loss_ok and not self.failed
+        return self.reference_finite and loss_ok and not self.failed
 
     def format(self) -> str:
+        if not self.reference_finite:
+            some = f" and the gradients of {len(self.nonfinite_reference)} of {len(self.weights)} weights (e.g. " \
+                   f"{self.nonfinite_reference[0]})" if self.nonfinite_reference else ""
+            return (f"on one device, without any layout, the loss ({self.reference_loss:.7g}){some} are not all finite: the "
+                    f"batch or the loss is non-finite (NaN or inf in the batch, a log of 0, a division by 0), not the "
+                    f"layout; nothing was compared. Check the batch and the loss function")
         lines = [f"loss {self.loss:.7g} against {self.reference_loss:.7g} on one device ({self.path} path); "
                  f"tolerance {self.tolerance:g} of each weight's largest gradient"]
         for w in self.failed:
@@ -80,4 +94,5 @@ def check_trainer(trainer, batch, tolerance: float | None = None, seed: int = 0)
         difference, scale = float(np.max(np.abs(a - b))), float(np.max(np.abs(b)))
         ok = bool(np.isfinite(difference)) and difference <= tolerance * max(scale, 1e-12)
         weights.append(WeightCheck(jax.tree_util.keystr(key, simple=True, separator="/"), difference, scale, ok))
-    return CheckReport(path, loss, reference_loss, tolerance, tuple(weights))
+    nonfinite = tuple(w.path for w, (_, b) in zip(weights, want) if not np.all(np.isfinite(b)))
+    return CheckReport(path, loss, reference_loss, tolerance, tuple(weights), nonfinite)

@@ -31,9 +31,13 @@ Keeping the last N: a checkpoint older than the newest N is deleted only when on
 verified (read back and checked; jaxpar reads the newest back when none is, about once every N
 saves), so at least one intact checkpoint always survives.
 
-One writer per directory: a run that saves takes an exclusive lock on ``<dir>/jaxpar.lock``
-(``fcntl.flock``, which the kernel releases when the process dies, so a killed run leaves no lock
-behind) before it touches anything; in a multi-process job process 0 holds it for the job.
+One writer per directory: a run that saves, fresh or resumed, takes an exclusive lock on
+``<dir>/jaxpar.lock`` (``fcntl.flock``, which the kernel releases when the process dies, so a
+killed run leaves no lock behind) before it touches anything; in a multi-process job process 0
+holds it for the job, and every process learns whether it got it.
+
+Room: a run checks at start that the disk has room for one checkpoint of its state
+(``check_room``, from the abstract state: nothing allocated), and every save checks again.
 
 Orbax writes each checkpoint into ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>``
 only when every process has finished writing; a save that is interrupted therefore never looks
@@ -49,6 +53,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -61,7 +66,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from jaxpar.errors import JaxparError, JobFailed
+from jaxpar.errors import JaxparError, JobFailed, size_text
 
 LOCK_NAME = "jaxpar.lock"
 DAMAGED_SUFFIX = ".damaged"
@@ -176,6 +181,17 @@ def _grid_of(leaf) -> tuple[int, ...]:
     """Blocks per dim of the layout ``leaf`` is sharded with (all ones when replicated)."""
     shard = leaf.sharding.shard_shape(leaf.shape)
     return tuple(size // s if s else 1 for size, s in zip(leaf.shape, shard))
+
+
+def _bytes_to_write(state) -> int:
+    """The bytes of ``state``'s arrays this process writes in a checkpoint (its distinct shards;
+    replicas are written once), from a live state or an abstract one (shapes and shardings)."""
+    total = 0
+    for leaf in jax.tree.leaves(state):
+        indices = leaf.sharding.addressable_devices_indices_map(leaf.shape).values()
+        distinct = {tuple((part.start, part.stop) for part in index) for index in indices}
+        total += len(distinct) * math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+    return total
 
 
 def state_checksums(state, grids: dict | None = None) -> dict:
@@ -307,15 +323,7 @@ class Checkpointer:
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise JaxparError(f"checkpoint directory {self.directory} is a file; choose a directory for --checkpoint-dir")
         _quiet_orbax()
-        self.lock = None
-        if writer and jax.process_index() == 0:  # before orbax touches the directory (it cleans up tmp saves)
-            try:
-                os.makedirs(self.directory, exist_ok=True)
-            except OSError as err:
-                raise JaxparError(f"checkpoint directory {self.directory} cannot be created ({err.strerror}); choose another --checkpoint-dir") from None
-            if not os.access(self.directory, os.W_OK):
-                raise JaxparError(f"checkpoint directory {self.directory} is not writable; choose another --checkpoint-dir")
-            self.lock = _DirectoryLock(self.directory)
+        self.lock = self._lock_for_the_job() if writer else None  # before orbax touches the directory (it cleans up tmp saves)
         self.verified: set[int] = set()  # steps read back and checked by this run
         self._abstract = None  # the saved state's shapes and shardings, to read our own saves back
         self._failed = False  # a save failed and was reported
@@ -324,6 +332,26 @@ class Checkpointer:
             enable_async_checkpointing=cfg.async_save,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def _lock_for_the_job(self) -> _DirectoryLock | None:
+        """Process 0 makes the directory and takes its lock; in a multi-process job every process
+        learns the outcome, so that a refused job stops in every process before orbax starts."""
+        lock, refusal = None, None
+        if jax.process_index() == 0:
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+                if not os.access(self.directory, os.W_OK):
+                    raise JaxparError(f"checkpoint directory {self.directory} is not writable; choose another --checkpoint-dir")
+                lock = _DirectoryLock(self.directory)
+            except OSError as err:
+                refusal = JaxparError(f"checkpoint directory {self.directory} cannot be created ({err.strerror}); choose another --checkpoint-dir")
+            except JaxparError as err:
+                refusal = err
+        if jax.process_count() > 1 and multihost_utils.broadcast_one_to_all(np.int32(refusal is not None)) and refusal is None:
+            refusal = CheckpointLocked(f"checkpoint directory {self.directory} was refused to process 0 of this job (its message says why)")
+        if refusal is not None:
+            raise refusal
+        return lock
 
     @classmethod
     def existing(cls, cfg: CheckpointConfig, writer: bool = False) -> Checkpointer:
@@ -366,25 +394,44 @@ class Checkpointer:
         except Exception as err:  # noqa: BLE001 — whatever the file system says, the user gets one line
             raise self._write_failed(step, err) from None
 
+    def check_room(self, abstract_state):
+        """Refuse, at the start of a run, a disk that cannot hold one checkpoint of ``abstract_state``
+        (shapes and shardings: nothing is allocated), rather than at the first save, steps later."""
+        short = self._shortfall(abstract_state)
+        if short:
+            raise JaxparError(f"checkpoint directory {self.directory} cannot hold one checkpoint of this run ({short}); "
+                              "free space there or choose another --checkpoint-dir")
+
+    def _shortfall(self, state) -> str | None:
+        """'N MiB to write, M MiB free' when the disk lacks room for a checkpoint of ``state``, else None."""
+        needed = _bytes_to_write(state)
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:  # the directory is gone: the save itself says so
+            return None
+        if free < needed + needed // 20 + (64 << 10):  # arrays, plus room for orbax's and jaxpar's metadata
+            return f"{size_text(needed)} to write, {size_text(free)} free"
+        return None
+
     def _check_space(self, step: int, state):
         """Refuse a save that cannot fit before writing any of it (a full disk found halfway
         leaves orbax's background threads to fail noisily; the previous checkpoint is safe either way)."""
-        needed = sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards if s.replica_id == 0)
-        free = shutil.disk_usage(self.directory).free
-        if free < needed + needed // 20 + (64 << 10):  # arrays, plus room for orbax's and jaxpar's metadata
-            raise self._write_failed(step, OSError(errno.ENOSPC, f"{needed / 2**20:.1f} MiB to write, {free / 2**20:.1f} MiB free"))
+        short = self._shortfall(state)
+        if short:
+            raise self._write_failed(step, OSError(errno.ENOSPC, short))
 
     def _write_failed(self, step: int, err: BaseException) -> CheckpointWriteFailed:
         self._failed = True
         self.manager.reload()
         intact = [s for s in self.steps() if s != step]
         keep = f"checkpoint {intact[-1]} is intact" if intact else "no earlier checkpoint exists"
-        full = isinstance(err, OSError) and err.errno == errno.ENOSPC
-        why = f"the disk is full ({err.strerror})" if full else "the disk is full" if "No space left" in str(err) else first_line(err)
-        return CheckpointWriteFailed(
-            f"checkpoint {step} could not be written to {self.directory}: {why}; {keep}; "
-            "free space or choose another --checkpoint-dir, then --resume"
-        )
+        full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left" in str(err)
+        why = ("the disk is full" + (f" ({err.strerror})" if isinstance(err, OSError) and err.strerror else "")) if full else first_line(err)
+        # only a full disk is cured by freeing space; anything else (a file removed under orbax, a
+        # directory gone) is something outside this run touching the directory
+        fix = ("free space or choose another --checkpoint-dir" if full else
+               "check that nothing else writes to or deletes from it, or choose another --checkpoint-dir")
+        return CheckpointWriteFailed(f"checkpoint {step} could not be written to {self.directory}: {why}; {keep}; {fix}, then --resume")
 
     def wait(self):
         """Block until a background save is complete, then apply keep-last-N."""
@@ -421,13 +468,16 @@ class Checkpointer:
             raise CheckpointDamaged(step, "its metadata cannot be read (not a JSON object)")
         return _unseal(step, sealed)
 
-    def restore(self, abstract_state, step: int | None = None):
+    def restore(self, abstract_state, step: int | None = None, check_meta=None):
         """(state laid out as ``abstract_state`` says, meta) of checkpoint ``step`` (default: latest).
 
-        Checks the arrays against ``abstract_state`` first and names any that differ (a JaxparError:
-        another model), then reads and checks every checksum (CheckpointDamaged) before returning."""
+        ``check_meta(meta)`` may refuse the checkpoint from its meta first. Checks the arrays against
+        ``abstract_state`` next and names any that differ (a JaxparError: another model), then reads
+        and checks every checksum (CheckpointDamaged) before returning."""
         step = self.latest_step() if step is None else step
         meta = self.read_meta(step)
+        if check_meta is not None:
+            check_meta(meta)
         problem = describe_mismatch(meta["arrays"], array_signature(abstract_state))
         if problem:
             raise JaxparError(
@@ -444,14 +494,15 @@ class Checkpointer:
         self.verified.add(step)
         return state, meta
 
-    def restore_newest_verified(self, abstract_state, log=lambda msg: None):
+    def restore_newest_verified(self, abstract_state, log=lambda msg: None, check_meta=None):
         """(state, meta) of the newest checkpoint that passes every check, moving newer damaged ones
         aside to ``<step>.damaged`` (so that the run can save those steps again) and saying so.
-        Raises CheckpointDamaged listing every checkpoint when none passes."""
+        Raises CheckpointDamaged listing every checkpoint when none passes. ``check_meta``: as for
+        ``restore``, for the checkpoint about to be read."""
         failures = []
         for step in reversed(self.steps()):
             try:
-                state, meta = self.restore(abstract_state, step)
+                state, meta = self.restore(abstract_state, step, check_meta)
             except CheckpointDamaged as err:
                 failures.append(err)
                 log(f"{err}; trying the previous checkpoint")

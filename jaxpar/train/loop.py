@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -25,9 +27,9 @@ import numpy as np
 from jaxpar.collectives import block_parallel
 from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
-from jaxpar.mesh import ParallelSpec
 from jaxpar.models import CONFIGS, bd3lm, model_and_loss, model_config, model_family
 from jaxpar.parallel import Strategy, build_layout, parse_strategy
+from jaxpar.parallel import schedules
 from jaxpar.topology import Topology
 from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
@@ -57,10 +59,11 @@ def check_at_least(flag: str, value: int, low: int, why: str = ""):
         raise JaxparError(f"{flag} {value} is too small: it must be at least {low}{why}; pass {flag} {low} or more")
 
 
-def check_writable(path: str, flag: str, directory: bool = False):
+def check_writable(path: str, flag: str, directory: bool = False, room: int = 0):
     """Refuse, before any work, an output path that cannot be written: a file where a directory is
     wanted or the reverse, or a place where no file can be created (probed by creating and removing
-    one in the directory the output will go into; missing directories are not created here)."""
+    one in the directory the output will go into; missing directories are not created here), or,
+    with ``room``, one on a disk with fewer bytes free (an output that would not fit at the end)."""
     target = os.path.abspath(path)
     if os.path.exists(target) and os.path.isdir(target) != directory:
         want = "a directory" if directory else f"a file path, e.g. {os.path.join(path, 'metrics.json')}"
@@ -76,6 +79,10 @@ def check_writable(path: str, flag: str, directory: bool = False):
         os.unlink(probe)
     except OSError as err:
         raise JaxparError(f"{flag} {path} cannot be written ({err.strerror} in {base}); choose a writable location") from None
+    free = shutil.disk_usage(base).free
+    if free < room:
+        raise JaxparError(f"{flag} {path}: the disk has {free >> 10} KiB free, and the output needs about {room >> 10} KiB; "
+                          "free some space there or choose another path")
 
 
 def check_run(run: RunConfig, checkpoint: CheckpointConfig | None = None, resume: str = "never"):
@@ -83,10 +90,13 @@ def check_run(run: RunConfig, checkpoint: CheckpointConfig | None = None, resume
     asked for devices (``build_trainer`` checks the strategy, the model and the fit)."""
     for flag, value in (
         ("--steps", run.steps), ("--batch-size", run.batch_size), ("--seq-len", run.seq_len),
-        ("--microbatches", run.train.microbatches), ("--chunks", run.train.chunks),
+        ("--microbatches", run.train.microbatches),
     ):
         check_at_least(flag, value, 1)
     check_at_least("--warmup-steps", run.train.warmup_steps, 0)
+    schedules.check_chunks(run.train.schedule, run.train.chunks)
+    if not 0 <= run.seed < 2**63:  # it seeds jax.random.key and numpy's generator, which take no negative seed
+        raise JaxparError(f"--seed {run.seed} must be a whole number from 0 to 2**63-1; pass e.g. --seed 0")
     run_model_config(run)
     rate = run.train.learning_rate
     if not (math.isfinite(rate) and rate > 0):
@@ -144,7 +154,8 @@ def check_model_axes(strategy: Strategy, model: str):
     for axis, why in unsupported.items():
         written = strategy.block_ranks if axis == "block" else degrees[axis]  # CSBP's mesh axis is P / C
         if written > 1:
-            instead = dataclasses.replace(strategy, spec=ParallelSpec(dict(degrees, **{axis: 1, "data": degrees["data"] * degrees[axis]})))
+            spec = dataclasses.replace(strategy.spec, degrees=dict(degrees, **{axis: 1, "data": degrees["data"] * degrees[axis]}))
+            instead = dataclasses.replace(strategy, spec=spec)
             raise JaxparError(
                 f"the {axis} axis is not supported by model {model} yet: {why}; drop {axis}={written} "
                 f"from the strategy, e.g. --strategy {instead}"
@@ -160,7 +171,7 @@ def check_block_degree(strategy: Strategy, cfg, seq_len: int):
         block_parallel.check_degree(seq_len // cfg.block_size, strategy.block_ranks)
 
 
-def _check_unused_options(run: RunConfig, strategy: Strategy):
+def check_unused_options(run: RunConfig, strategy: Strategy):
     """Refuse options the layout would silently ignore: the user meant something by them."""
     train, defaults = run.train, TrainConfig()
     unused = []  # (TrainConfig field, why it does nothing here and what to do)
@@ -235,7 +246,7 @@ def build_trainer(run: RunConfig, topology: Topology):
     strategy = parse_strategy(run.strategy, len(devices))
     check_model_axes(strategy, run.model)
     check_block_degree(strategy, cfg, run.seq_len)
-    _check_unused_options(run, strategy)
+    check_unused_options(run, strategy)
     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
     train_cfg = dataclasses.replace(run.train, total_steps=run.steps, memory_bytes=run.train.memory_bytes or topology.hbm_bytes)
     trainer = Trainer(layout, *model_and_loss(cfg), train_cfg)
@@ -248,7 +259,60 @@ def _scalar(x) -> float:
     return float(np.asarray(x.addressable_data(0)))
 
 
-def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, resume: str, log):
+class NothingToDo(JaxparError):
+    """A resumed run whose checkpoint is already at or past ``--steps``: nothing is trained, and
+    nothing in the directory is written or deleted (``jaxpar train`` says so and exits 0)."""
+
+
+def _delayed_over(strategy: str) -> int:
+    """The tensor degree whose all-reduces a strategy (as written in a checkpoint's meta) delays
+    with ``delay=1``, else 0: delayed TP is another function, and one per tensor degree."""
+    options = dict(item.split("=", 1) for item in strategy.split(",") if "=" in item)
+    return int(options.get("tensor", 1)) if options.get("delay") == "1" else 0
+
+
+def check_same_function(run: RunConfig, cfg, strategy: Strategy, directory: str, meta: dict):
+    """Refuse to resume a checkpoint as another function of the same weights than it was trained
+    as (the arrays' shapes do not tell): another model, a BD3-LM's other block size or window,
+    delayed TP switched on or off or over another tensor degree. Reads only the checkpoint's meta."""
+    where, afresh = f"checkpoint {meta['step']} in {directory}", "or choose another --checkpoint-dir to train afresh"
+    if meta.get("model") != run.model:
+        raise JaxparError(f"{where} holds model {meta.get('model')}, and this run is --model {run.model}: pass --model "
+                          f"{meta.get('model')} to resume it, {afresh}")
+    if model_family(cfg) == "bd3lm":
+        saved = meta.get("block_size") or CONFIGS[run.model].block_size  # runs before it was recorded: the config's
+        if saved != cfg.block_size:
+            given = f"--block-size {cfg.block_size}" + (" (the default)" if run.block_size is None else "")
+            raise JaxparError(f"{where} was trained with --block-size {saved}, and this run has {given}: other blocks make "
+                              f"another function of the same weights; pass --block-size {saved} to resume it, {afresh}")
+        if meta.get("window") != cfg.window:
+            said = lambda w: f"--window {w}" if w else "no --window (the whole prefix)"  # noqa: E731
+            fix = f"pass --window {meta['window']}" if meta.get("window") else "drop --window"
+            raise JaxparError(f"{where} was trained with {said(meta.get('window'))}, and this run has {said(cfg.window)}: "
+                              f"another window makes another function of the same weights; {fix} to resume it, {afresh}")
+    saved, given = _delayed_over(meta["strategy"]), _delayed_over(str(strategy))
+    if saved != given:
+        said = lambda d: f"delay=1 over tensor={d}" if d else "no delay=1"  # noqa: E731
+        fix = f"resume with tensor={saved},delay=1 in --strategy" if saved else "drop delay=1 from --strategy to resume it"
+        raise JaxparError(f"{where} was trained under {meta['strategy']} ({said(saved)}), and this run's strategy {strategy} has "
+                          f"{said(given)}: delayed TP is another function of the same weights, one per tensor degree; {fix}, {afresh}")
+
+
+def _open_checkpoints(trainer: Trainer, checkpoint: CheckpointConfig | None, resume: str) -> Checkpointer | None:
+    """The run's checkpoint directory, locked for this run whether it starts afresh or resumes (one
+    writer per directory) and with room for one checkpoint, before any array is allocated."""
+    if checkpoint is None:
+        return None
+    ckpt = Checkpointer.existing(checkpoint, writer=True) if resume == "required" else Checkpointer(checkpoint)
+    try:
+        ckpt.check_room(trainer.abstract_state())
+    except BaseException:
+        ckpt.close()
+        raise
+    return ckpt
+
+
+def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, resume: str, log, check_meta):
     """(state, first step, checkpoint meta or None) of a fresh run or of the checkpoint it resumes."""
     latest = ckpt.latest_step() if ckpt else None
     if latest is None or resume == "never":
@@ -258,7 +322,12 @@ def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, re
                 "continue from the latest, or choose another --checkpoint-dir (nothing there is overwritten)"
             )
         return trainer.init(run.seed), 0, None
-    state, meta = ckpt.restore_newest_verified(trainer.abstract_state(), log)  # a damaged newest one is named and skipped
+    # a damaged newest one is named and skipped; the one restored is checked against the run from
+    # its meta first (check_meta: check_same_function), before any of its arrays is read
+    state, meta = ckpt.restore_newest_verified(trainer.abstract_state(), log, check_meta)
+    if meta["step"] >= run.steps:  # known only now: a newer checkpoint may have proved damaged
+        raise NothingToDo(f"nothing to do: checkpoint {meta['step']} in {ckpt.directory} is at step {meta['step']}, and --steps "
+                          f"{run.steps} asks for no more; nothing was trained or deleted: pass --steps above {meta['step']} to train on")
     saved = meta["data"]
     changed = [f"{k} {saved[k]} -> {v}" for k, v in _data_position(run, 0).items() if k != "next_step" and saved[k] != v]
     if changed:
@@ -271,21 +340,57 @@ def _data_position(run: RunConfig, next_step: int) -> dict:
     return {"seed": run.seed, "batch_size": run.batch_size, "seq_len": run.seq_len, "next_step": next_step}
 
 
+def _batches(run: RunConfig, trainer: Trainer, cfg, tokens, held_out):
+    """(training corpus, held-out corpus, batch_of(corpus, step)) as the run's data settings say."""
+    if run.packing:  # whole documents packed into rows
+        train, held = data.documents(tokens), data.documents(held_out)
+        rows_at = data.packed_batch_at
+    elif model_family(cfg) == "bd3lm":  # windows of the token stream, each block corrupted at a noise level of its own
+        train, held = tokens, held_out
+        rows_at = functools.partial(data.diffusion_batch_at, cfg=cfg)
+    else:  # random windows of the token stream
+        train, held, rows_at = tokens, held_out, data.local_batch_at
+    batch_of = lambda corpus, step: trainer.put_process_batch(  # noqa: E731
+        run.batch_size, lambda a, b: rows_at(corpus, step, run.batch_size, run.seq_len, run.seed, a, b)
+    )
+    return train, held, batch_of
+
+
+@dataclasses.dataclass
+class _Steps:
+    """What the training loop did: the job's figures per step (a resumed run's start with the
+    checkpoint's), where it stopped and why."""
+
+    losses: list
+    grad_norms: list
+    times: list
+    done: int  # steps of the job completed
+    first_loss_step: int  # losses[i] (and grad_norms, times) is step first_loss_step + i
+    save_pauses: list = dataclasses.field(default_factory=list)  # training waited this long for each save to start
+    nonfinite: dict | None = None  # the first step whose loss or gradient norm is NaN or infinite
+    skipped: list = dataclasses.field(default_factory=list)  # steps whose update was dropped (not finite)
+    interrupted: str | None = None  # "SIGINT" or "SIGTERM"
+
+
 def run_training(
     run: RunConfig, topology: Topology, progress=sys.stderr,
     checkpoint: CheckpointConfig | None = None, resume: str = "never", catch_signals: bool = True,
-    analyze=None,
+    analyze=None, on_start=None,
 ) -> dict:
     """Train and return the report (per-step losses and times, throughput, checkpoints).
 
     ``analyze(trainer, compiled_step, strategy, model_cfg, (batch_size, seq_len))``, when given,
     returns more fields for the report, read off the compiled step after training
     (``jaxpar.report.step_report``: memory and communication, as ``jaxpar train`` reports them).
+    ``on_start()``, when given, is called once the state is made (initialised or restored), before
+    the step is compiled (``jaxpar train`` writes a partial metrics file there).
 
     With ``checkpoint``, the state is saved every ``checkpoint.every`` steps and after the last;
     ``resume`` is ``never`` (the directory must hold no checkpoint), ``auto`` (continue from the
-    latest complete checkpoint if there is one) or ``required`` (there must be one). A resumed
-    run's report holds every step of the job: the checkpoint keeps the earlier steps' figures.
+    latest complete checkpoint if there is one) or ``required`` (there must be one). Either way the
+    run takes the directory's lock first. A checkpoint trained as another function (``check_same_function``)
+    is refused before its arrays are read; one already at ``run.steps`` raises ``NothingToDo`` once
+    it is verified, before anything is deleted. A resumed run's report holds every step of the job: the checkpoint keeps the earlier steps' figures.
 
     With ``catch_signals`` (and one process, called from the main thread), SIGINT and SIGTERM
     stop training after the step in progress: the state is saved (with ``checkpoint``) and the
@@ -297,48 +402,55 @@ def run_training(
     lead = jax.process_index() == 0
     log = (lambda msg: print(msg, file=progress, flush=True)) if (progress and lead) else (lambda msg: None)
     trainer, strategy, cfg = build_trainer(run, topology)
-    layout = trainer.layout
     tokens, held_out = data.split_corpus(data.corpus_tokens())
     if run.seq_len >= len(held_out):
         raise JaxparError(f"--seq-len {run.seq_len} is longer than the held-out text ({len(held_out)} tokens); use a shorter one")
     trainer.check_batch(np.zeros((run.batch_size, 1)), run.seq_len)
-    if resume == "required":
-        ckpt = Checkpointer.existing(checkpoint)
-    else:
-        ckpt = Checkpointer(checkpoint) if checkpoint else None
+    ckpt = _open_checkpoints(trainer, checkpoint, resume)
+    try:
+        check_meta = functools.partial(check_same_function, run, cfg, strategy, ckpt.directory) if ckpt else None
+        state, start, resumed = _start_state(trainer, run, ckpt, resume, log, check_meta)
+        if on_start is not None:
+            on_start()
+        diffusion = model_family(cfg) == "bd3lm"
+        example = trainer.abstract_batch(run.batch_size, run.seq_len, packed=run.packing, diffusion=diffusion)
+        compiled = trainer.jit_step(example).lower(state, example).compile()
+        meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": trainer.layout.mesh.size,
+                "processes": jax.process_count()}
+        if diffusion:  # the sampler reads the blocks (and the window) the model was trained on; so does a resume
+            meta["block_size"] = cfg.block_size
+            meta["window"] = cfg.window
+        train, held, batch_of = _batches(run, trainer, cfg, tokens, held_out)
+        state, steps = _train_steps(run, trainer, compiled, state, start, resumed, lambda step: batch_of(train, step), ckpt, meta,
+                                    progress if lead else None, catch_signals)
+    except BaseException:
+        if ckpt is not None:  # the lock goes (a save that failed was reported already)
+            with contextlib.suppress(Exception):
+                ckpt.close()
+        raise
+    report_progress("evaluating", steps.done)
+    held_out_loss = None
+    if not steps.interrupted:  # an interrupted run stops here, without the evaluation
+        # the compiled step's loss is the loss at the weights it is given (before its update): one
+        # more call of it on a held-out batch, whose updated state is dropped, costs no compile
+        held_out_loss = _scalar(compiled(state, batch_of(held, 0))[1]["loss"])
+    model_length = 2 * run.seq_len if diffusion else run.seq_len  # a block diffusion model reads [x_t ; x_0]
+    analysis = analyze(trainer, compiled, strategy, cfg, (run.batch_size, model_length)) if analyze else {}
+    return _report(run, topology, trainer, strategy, cfg, start, steps, held_out_loss, model_length, analysis, ckpt)
 
-    state, start, resumed = _start_state(trainer, run, ckpt, resume, log)
-    diffusion = model_family(cfg) == "bd3lm"
-    example = trainer.abstract_batch(run.batch_size, run.seq_len, packed=run.packing, diffusion=diffusion)
-    compiled = trainer.jit_step(example).lower(state, example).compile()
-    meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": layout.mesh.size, "processes": jax.process_count()}
-    if diffusion:  # the sampler reads the blocks (and the window) the model was trained on
-        meta["block_size"] = cfg.block_size
-        meta["window"] = cfg.window
-    if run.packing:  # whole documents packed into rows
-        train, held = data.documents(tokens), data.documents(held_out)
-        rows_at = data.packed_batch_at
-    elif diffusion:  # windows of the token stream, each block corrupted at a noise level of its own
-        train, held = tokens, held_out
-        rows_at = functools.partial(data.diffusion_batch_at, cfg=cfg)
-    else:  # random windows of the token stream
-        train, held, rows_at = tokens, held_out, data.local_batch_at
-    batch_of = lambda corpus, step: trainer.put_process_batch(  # noqa: E731
-        run.batch_size, lambda a, b: rows_at(corpus, step, run.batch_size, run.seq_len, run.seed, a, b)
-    )
-    # the job's figures so far (checkpoints saved before they were kept hold none)
-    history = (resumed or {}).get("history", {"losses": [], "grad_norms": [], "step_times_s": []})
-    losses, grad_norms, times = (list(history[k]) for k in ("losses", "grad_norms", "step_times_s"))
-    first_loss_step = start - len(losses) + 1
-    save_pauses = []
-    nonfinite = None  # the first step whose loss or gradient norm is NaN or infinite
-    skipped = []  # steps whose update was dropped (not finite)
-    bar = _Progress(start, run.steps, progress) if (progress and lead and start < run.steps) else None
-    done = start  # steps of the job completed
+
+def _train_steps(run: RunConfig, trainer: Trainer, compiled, state, start: int, resumed: dict | None, batch_at, ckpt,
+                 meta: dict, progress, catch_signals: bool):
+    """(state, _Steps): the steps from ``start`` to ``run.steps``, saving as ``ckpt`` says, stopped
+    at a step boundary by SIGINT or SIGTERM (``StopSignals``) or by a non-finite step."""
+    history = (resumed or {}).get("history", {"losses": [], "grad_norms": [], "step_times_s": []})  # checkpoints saved before they were kept hold none
+    steps = _Steps(*(list(history[k]) for k in ("losses", "grad_norms", "step_times_s")), done=start,
+                   first_loss_step=start - len(history["losses"]) + 1)
+    bar = _Progress(start, run.steps, progress) if (progress and start < run.steps) else None
     catch = catch_signals and jax.process_count() == 1 and threading.current_thread() is threading.main_thread()
     with StopSignals(catch) as stop:
         for step in range(start, run.steps):
-            batch = batch_of(train, step)
+            batch = batch_at(step)
             report_progress("start", step + 1)  # from here on, this process waits for the others in collectives
             began = time.perf_counter()
             try:
@@ -352,25 +464,26 @@ def run_training(
                     f"step {step + 1} failed in a collective: another process of the job has probably died or hung "
                     f"({str(err).splitlines()[0]}); restart the job from the last checkpoint with --resume"
                 ) from err
-            times.append(time.perf_counter() - began)
-            losses.append(loss)
-            grad_norms.append(grad_norm)
-            done = step + 1
+            steps.times.append(time.perf_counter() - began)
+            steps.losses.append(loss)
+            steps.grad_norms.append(grad_norm)
+            steps.done = done = step + 1
             if not (np.isfinite(loss) and np.isfinite(grad_norm)):  # the step left the state as it was
-                skipped.append(done)
-                if nonfinite is None:
-                    nonfinite = {"step": done, "loss": loss, "grad_norm": grad_norm}
-                    log(nonfinite_message(done, loss, grad_norm))  # at once: the summary comes only at the end
+                steps.skipped.append(done)
+                if steps.nonfinite is None:
+                    steps.nonfinite = {"step": done, "loss": loss, "grad_norm": grad_norm}
+                    if progress:
+                        print(nonfinite_message(done, loss, grad_norm), file=progress, flush=True)  # at once: the summary comes only at the end
                 if trainer.cfg.nonfinite == "stop":
                     break  # the report says where and why; the CLI exits 1
             report_progress("done", done)
             if bar:
-                bar.update(done, loss, run.batch_size * run.seq_len / times[-1])
+                bar.update(done, loss, run.batch_size * run.seq_len / steps.times[-1])
             if ckpt and (ckpt.should_save(done, run.steps) or stop.name):
                 began = time.perf_counter()
-                so_far = {"losses": list(losses), "grad_norms": list(grad_norms), "step_times_s": list(times)}  # copies: saving goes on behind
+                so_far = {"losses": list(steps.losses), "grad_norms": list(steps.grad_norms), "step_times_s": list(steps.times)}  # copies: saving goes on behind
                 ckpt.save(done, state, dict(meta, data=_data_position(run, done), history=so_far))
-                save_pauses.append(time.perf_counter() - began)  # training waits this long; the writing goes on behind
+                steps.save_pauses.append(time.perf_counter() - began)  # training waits this long; the writing goes on behind
             if stop.name:
                 break
         if bar:
@@ -378,46 +491,43 @@ def run_training(
         if ckpt:  # still under the handlers: a signal now does not cut the last save short
             ckpt.wait()
             ckpt.close()
-    report_progress("evaluating", done)
+    steps.interrupted = stop.name
+    return state, steps
 
-    held_out_loss = None
-    if not stop.name:  # an interrupted run stops here, without the evaluation
-        # the compiled step's loss is the loss at the weights it is given (before its update): one
-        # more call of it on a held-out batch, whose updated state is dropped, costs no compile
-        held_out_loss = _scalar(compiled(state, batch_of(held, 0))[1]["loss"])
-    steady = times[1:] or times or [float("nan")]
-    tokens_per_s = run.batch_size * run.seq_len / float(np.median(steady))
-    model_length = 2 * run.seq_len if diffusion else run.seq_len  # a block diffusion model reads [x_t ; x_0]
-    analysis = analyze(trainer, compiled, strategy, cfg, (run.batch_size, model_length)) if analyze else {}
+
+def _report(run: RunConfig, topology: Topology, trainer: Trainer, strategy: Strategy, cfg, start: int, steps: _Steps,
+            held_out_loss, model_length: int, analysis: dict, ckpt) -> dict:
+    """The run's report (``run_training``)."""
+    steady = steps.times[1:] or steps.times or [float("nan")]
     flops = cfg.flops_per_token(model_length) * run.batch_size * model_length
     return {
         "model": run.model,
         "num_params": cfg.num_params(),
         "topology": topology.name,
         "strategy": str(strategy),
-        "mesh": {k: v for k, v in layout.mesh.shape.items()},
+        "mesh": {k: v for k, v in trainer.layout.mesh.shape.items()},
         "processes": jax.process_count(),
         "steps": run.steps,
         "start_step": start,
-        "last_step": done,
-        "interrupted": stop.name,
-        "first_loss_step": first_loss_step,  # losses[i] (and grad_norms, step_times_s) is step first_loss_step + i
+        "last_step": steps.done,
+        "interrupted": steps.interrupted,
+        "first_loss_step": steps.first_loss_step,  # losses[i] (and grad_norms, step_times_s) is step first_loss_step + i
         "batch_size": run.batch_size,
         "seq_len": run.seq_len,
         "seed": run.seed,
-        "losses": losses,
-        "grad_norms": grad_norms,
-        "nonfinite": nonfinite,
-        "skipped_steps": skipped,
+        "losses": steps.losses,
+        "grad_norms": steps.grad_norms,
+        "nonfinite": steps.nonfinite,
+        "skipped_steps": steps.skipped,
         "path": {"name": trainer.path, "reason": trainer.path_reason},
         "fsdp_policy": {"regather": trainer.regather, "reason": trainer.regather_reason},
         "grad_sync": _grad_sync_report(trainer),
-        "step_times_s": times,
+        "step_times_s": steps.times,
         "held_out_loss": held_out_loss,
-        "tokens_per_s": tokens_per_s,
+        "tokens_per_s": run.batch_size * run.seq_len / float(np.median(steady)),
         "model_flops_per_s": flops / float(np.median(steady)),
         **analysis,
-        "checkpoints": {"directory": ckpt.directory, "steps": ckpt.steps(), "save_pause_s": save_pauses} if ckpt else None,
+        "checkpoints": {"directory": ckpt.directory, "steps": ckpt.steps(), "save_pause_s": steps.save_pauses} if ckpt else None,
     }
 
 
@@ -496,16 +606,22 @@ def write_json_atomically(path: str, payload: dict):
 def write_text_atomically(path: str, text: str):
     """Write to a temporary file next to ``path`` and rename it: never a half-written file. The
     file gets the permissions any new file of the user gets (``open`` applies the umask). A write
-    that fails (a full disk) raises ``JobFailed`` with the reason, and leaves nothing behind."""
+    that fails (a full disk) raises ``JobFailed`` with the reason, and leaves nothing behind; a
+    previous file at ``path`` is then left as it was. SIGINT and SIGTERM wait for the rename (the
+    command line ends the process at once on them, which would leave the temporary file behind)."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as err:
-        raise JobFailed(f"could not write {path} ({err.strerror or err}); free some space there or choose another path") from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)  # gone already when the rename succeeded
+    with StopSignals(threading.current_thread() is threading.main_thread()) as held:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except OSError as err:
+            fix = "free some space there or choose another path" if err.errno == errno.ENOSPC else "choose another path"
+            raise JobFailed(f"could not write {path} ({err.strerror or err}); {fix}") from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # gone already when the rename succeeded
+    if held.name:  # now do what the signal would have done
+        signal.raise_signal(getattr(signal, held.name))

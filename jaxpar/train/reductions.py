@@ -23,10 +23,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax.traverse_util import flatten_dict as flatten
+from flax.traverse_util import unflatten_dict as nest
 
 from jaxpar.errors import LayoutError
 from jaxpar.rules import Layout, varying_axes
-from jaxpar.train.state import flatten, nest
 
 # each part of the plan reduces the batch axes that one mapping splits a weight over and the one
 # before it does not: (part, from mapping, to mapping)

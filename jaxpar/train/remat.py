@@ -42,6 +42,16 @@ def policy(remat: str, regather: bool):
     return dots if regather else cp.save_from_both_policies(dots, cp.save_only_these_names(GATHERED))
 
 
+def check_layer_loops(remat: str, stacked):
+    """Refuse a remat that would recompute nothing: the policy goes on the layer loops over
+    stacked weights (``stacked``: True at them), and a model without any has none."""
+    if remat != "none" and not any(jax.tree.leaves(stacked)):
+        raise JaxparError(f"remat={remat} recomputes each iteration of the model's layer loop (a scan over weights stacked "
+                          f"on the logical axis 'layers', e.g. nnx.vmap/nnx.scan with transform_metadata="
+                          f"{{nnx.PARTITION_NAME: 'layers'}}), but this model has no stacked layer weights, so nothing would be "
+                          f"recomputed: stack its layers, or checkpoint its blocks itself (nnx.remat) and use remat=none")
+
+
 def checkpoint(policy):
     """``jax.checkpoint`` of a layer body by ``policy`` (prevent_cse=False: inside a scan the
     recomputation cannot be merged away), or None for no checkpoint."""

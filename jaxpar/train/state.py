@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from flax.traverse_util import unflatten_dict as nest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import LayoutError
 from jaxpar.rules import Layout, logical_names
 
 if TYPE_CHECKING:
-    from jaxpar.train.step import TrainConfig
+    from jaxpar.train.config import TrainConfig
 
 
 class TrainState(NamedTuple):
@@ -53,30 +54,6 @@ def variables(state) -> dict:
     return {path: var for path, var in nnx.to_flat_state(state)}
 
 
-def nest(flat: dict) -> dict:
-    """{path tuple: leaf} -> pure nested dict (the inverse of ``flatten``)."""
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out
-
-
-def flatten(tree) -> dict:
-    """Pure nested dict -> {path tuple: leaf}."""
-    out = {}
-
-    def walk(node, prefix):
-        if isinstance(node, dict):
-            for key, child in node.items():
-                walk(child, prefix + (key,))
-        else:
-            out[prefix] = node
-
-    walk(tree, ())
-    return out
 
 
 class ShardedState:

@@ -20,57 +20,30 @@ The other parts: ``state.py`` (the state, its layout checks, specs, shardings an
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.traverse_util import flatten_dict as flatten
+from flax.traverse_util import unflatten_dict as nest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar import attention
 from jaxpar.collectives import context_attention
 from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import pipeline as pipeline_lib
-from jaxpar.parallel import delayed, fsdp, schedules
+from jaxpar.parallel import context, delayed, fsdp, schedules
 from jaxpar.rules import Layout, gather_layers_when_read, gather_params, record_model_calls, use_layout, varying_axes
 from jaxpar.train import check as check_lib
 from jaxpar.train import grad_sync, gspmd, partial_sums, reductions, remat
 from jaxpar.train.accumulate import accumulate, accumulator_bytes, local_microbatches
+from jaxpar.train.config import NONFINITE, PATHS, TrainConfig
 from jaxpar.train.placement import BatchPlacement
-from jaxpar.train.state import ShardedState, TrainState, abstract_model, flatten, make_optimizer, nest, variables
+from jaxpar.train.state import ShardedState, TrainState, abstract_model, make_optimizer, variables
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    learning_rate: float = 3e-3
-    warmup_steps: int = 20
-    total_steps: int = 300
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.95
-    compute_dtype: str = "float32"  # float32 | bfloat16 (weights stay float32: the master copy)
-    grad_reduce_dtype: str = "float32"  # dtype gradients are summed across devices in; explicit, never implied
-    microbatches: int = 1  # gradient accumulation steps per optimizer step
-    donate: bool = True  # reuse the old state's buffers for the new state
-    grad_sync: str = "exact"  # exact | dynamiq | int8: how gradients are summed across batch axes (grad_sync.py)
-    grad_sync_bits: float | None = None  # dynamiq: average bits per value (None: the collective's default)
-    grad_sync_axes: tuple[str, ...] | None = None  # batch axes to compress (None: those crossing slow links, else all)
-    grad_sync_min_size: int = 4096  # values per device below which a compressed reduction stays exact
-    schedule: str = "1f1b"  # pipeline schedule when the mesh has stage > 1 (parallel/schedules.py)
-    chunks: int = 1  # layer chunks per stage (interleaved-1f1b: virtual stages per device)
-    remat: str = "none"  # none | full | dots: what the backward pass recomputes per layer (remat.py)
-    attention: str = "auto"  # auto | naive | blockwise | splash | cudnn: jaxpar.attention's implementation
-    path: str = "auto"  # auto | manual | gspmd: who places the collectives (see Trainer.path_reason)
-    nonfinite: str = "stop"  # stop | skip: a step whose loss or gradient is NaN/inf raises, or is skipped
-    # a device's memory, for choices made by memory (regather=auto); None: what the devices report
-    memory_bytes: float | None = None
-
-
-PATHS = ("auto", "manual", "gspmd")
-NONFINITE = ("stop", "skip")
 
 
 class _Part:
@@ -127,6 +100,9 @@ class Trainer:
             raise JaxparError(f"path={cfg.path!r} is unknown; use {', '.join(PATHS)}")
         if cfg.attention not in attention.IMPLEMENTATIONS:
             raise JaxparError(f"attention={cfg.attention!r} is unknown; use {', '.join(attention.IMPLEMENTATIONS)}")
+        # a kernel these devices cannot build, or one the context ring would not run
+        context.check_attention(cfg.attention, layout.ring_axes)
+        attention.check_platform(cfg.attention, layout.mesh.devices.flat[0].platform, "this mesh")
         if cfg.nonfinite not in NONFINITE:
             raise JaxparError(f"nonfinite={cfg.nonfinite!r} is unknown; use stop (raise NonFiniteStep) or skip (drop the step's update)")
         # which path places the collectives, and why; decided when the step is first traced
@@ -142,6 +118,7 @@ class Trainer:
         self.regather, self.regather_reason = self._choose_regather()
         # each layer loop's checkpoint policy (None: no checkpoint)
         self.remat_policy = remat.policy(cfg.remat, self.regather)
+        remat.check_layer_loops(cfg.remat, self.stacked_marks())
         self.placement = BatchPlacement(layout, cfg.microbatches)
         if layout.a2a_axes:  # the all-to-all splits attention by heads
             shapes = {p: v.get_value().shape for p, v in variables(self.abstract).items()}
@@ -249,7 +226,7 @@ class Trainer:
             if self.layout.regather is None and self.regather:  # regather=auto: only the manual step gathers again
                 self.regather, self.remat_policy = False, remat.policy(self.cfg.remat, False)
                 self.regather_reason += "; but the GSPMD path cannot gather again, so they are kept"
-            self._check_gspmd()
+            self._check_gspmd(used)
         return self.path
 
     def _check_required_calls(self, calls):
@@ -288,18 +265,24 @@ class Trainer:
             partial_sums.check(jaxpr, seeds, axes)
         self._sums_checked = True
 
-    def _check_gspmd(self):
-        """Refuse what only the manual path does."""
+    def _check_gspmd(self, calls):
+        """Refuse what only the manual path does (``calls``: the jaxpar calls the model makes)."""
         manual_only = {
             "a compressed grad_sync": self.grad_sync is not None,
             "a pipeline (stage > 1)": self.pipeline is not None,
             "regather=on": self.layout.regather is True,
             "context parallelism (context > 1)": bool(self.layout.ring_axes or self.layout.a2a_axes),
             "block parallelism (block > 1)": bool(self.layout.block_axes),
+            # both act at the block boundaries the model marks with jaxpar.nn.enter_block and reduce_partial; the
+            # GSPMD path reaches the sequence split only through the model's own jaxpar.nn.constrain calls
+            "sequence parallelism (sp=on)": "tensor" in self.layout.axes_of("residual_length") and "constrain" not in calls,
+            "collective matmul (tp_overlap=on)": bool(self.layout.overlapped),
         }
         asked = [what for what, on in manual_only.items() if on]
         if asked:
-            raise LayoutError(f"{' and '.join(asked)} needs jaxpar's manual step, but {self.path_reason}. "
+            where = (" (sequence parallelism and collective matmul split and gather the sequence where the model calls "
+                     "jaxpar.nn.enter_block and reduce_partial)" if any(a.endswith("=on)") for a in asked) else "")
+            raise LayoutError(f"{' and '.join(asked)} needs jaxpar's manual step{where}, but {self.path_reason}. "
                               f"Write the model with jaxpar's model-facing calls (jaxpar.nn), or drop {asked[0]}")
 
     def _local_grads(self, params, batch, seed=None, plans=None):
