@@ -20,7 +20,8 @@ def plan(cfg, text, batch, seq_len, topology, remat="full", attention=FLASH, com
     """A layout of the 8 simulated devices priced as ``aot.rank_alternatives`` prices a candidate:
     its analytic traffic and ZeRO table, no compile."""
     strategy = parse_strategy(text, 8)
-    train_cfg = TrainConfig(remat=remat, attention=attention, compute_dtype=compute_dtype)
+    # the kernel is only priced (estimate_step's attention=): these simulated CPU devices cannot build splash
+    train_cfg = TrainConfig(remat=remat, compute_dtype=compute_dtype)
     trainer = Trainer(build_layout(strategy), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, train_cfg)
     layout = trainer.layout
     sent = traffic.optimal_traffic_by_axis(trainer, strategy, (batch, seq_len), cfg)
