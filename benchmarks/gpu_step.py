@@ -29,7 +29,7 @@ def main():
     import numpy as np
 
     from jaxpar.topology import load_topology
-    from jaxpar.train.loop import RunConfig, build_trainer
+    from jaxpar.run import RunConfig, build_trainer
     from jaxpar.train.step import TrainConfig
 
     kind = jax.devices()[0].device_kind

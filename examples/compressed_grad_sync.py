@@ -18,7 +18,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 
 from jaxpar.report import step_report  # noqa: E402
 from jaxpar.topology import load_topology  # noqa: E402
-from jaxpar.train.loop import RunConfig, run_training  # noqa: E402
+from jaxpar.run import RunConfig, run_training  # noqa: E402
 from jaxpar.train.step import TrainConfig  # noqa: E402
 
 # kinds of collective that carry gradient reductions; the scalar all-reduces (loss, norm) are apart

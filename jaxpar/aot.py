@@ -22,7 +22,7 @@ from jaxpar.mesh import dcn_misplaced, divisors, split_ici_dcn
 from jaxpar.models import llama, model_and_loss, model_family
 from jaxpar.parallel import build_layout, context, parse_strategy, schedules
 from jaxpar.topology import Topology
-from jaxpar.train.loop import (
+from jaxpar.run import (
     RunConfig, check_at_least, check_block_degree, check_fits_fully_sharded, check_model_axes, check_unused_options, check_writable,
     run_model_config, write_text_atomically,
 )

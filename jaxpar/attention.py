@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.errors import JaxparError
-from jaxpar.rules import _ACTIVE, _called, varying_axes
+from jaxpar.rules import _ACTIVE, _called, vary_over, varying_axes
 
 IMPLEMENTATIONS = ("auto", "naive", "blockwise", "splash", "cudnn")
 DEFAULT_BLOCK = 512
@@ -502,9 +502,7 @@ def merge(a, b):
 def full_varying(shape, value, *like):
     """A float32 constant typed to vary over every mesh axis one of ``like`` varies over: inside
     shard_map a loop's carry keeps one type, and what it accumulates varies as its inputs do."""
-    x = jnp.full(shape, value, jnp.float32)
-    axes = tuple(sorted(set().union(*(varying_axes(y) for y in like if y is not None))))
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
+    return vary_over(jnp.full(shape, value, jnp.float32), set().union(*(varying_axes(y) for y in like if y is not None)))
 
 
 # --- naive ----------------------------------------------------------------------------------------

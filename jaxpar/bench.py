@@ -14,7 +14,7 @@ import time
 from jaxpar.errors import JaxparError
 from jaxpar.report import step_report
 from jaxpar.topology import Topology
-from jaxpar.train.loop import RunConfig, build_trainer, check_at_least, check_run, run_training
+from jaxpar.run import RunConfig, build_trainer, check_at_least, check_run, run_training
 
 STRATEGIES = (
     "data=8",

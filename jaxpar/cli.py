@@ -8,23 +8,8 @@ import os
 import signal
 import sys
 
-# Exit statuses, the same for every command (README: "Exit statuses").
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_SIGINT = 130  # 128 + the signal's number, as a shell reports a process killed by it
-EXIT_SIGTERM = 143
-EXIT_STATUSES = {
-    EXIT_OK: "done",
-    EXIT_FAILED: "the job failed: a process died or hung (launch), the loss became NaN or infinite (train), "
-    "the plan does not fit in a chip's memory (compile), the layout differs from one device (check), "
-    "or an output could not be written (a full disk)",
-    EXIT_BAD_INPUT: "bad input, refused before any work: the message names the value and the fix",
-    EXIT_SIGINT: "interrupted by SIGINT (Ctrl-C): train stops after the step in progress, saves a checkpoint "
-    "(with --checkpoint-dir) and the metrics so far (with --metrics-json)",
-    EXIT_SIGTERM: "stopped by SIGTERM, the same way",
-}
-EXIT_ON_SIGNAL = {"SIGINT": EXIT_SIGINT, "SIGTERM": EXIT_SIGTERM}
+# Exit statuses, the same for every command: defined with the errors that cause them
+from jaxpar.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_ON_SIGNAL, EXIT_SIGINT, EXIT_SIGTERM, EXIT_STATUSES
 
 
 def _simulate_cpu_devices(count: int):
@@ -151,7 +136,7 @@ def _bench_parser(sub):
 def _bench(args) -> int:
     topology = _cpu_topology_simulated(args.topology)
     from jaxpar.bench import STRATEGIES, bench, format_table, parse_strategies
-    from jaxpar.train.loop import RunConfig, check_writable, write_json_atomically
+    from jaxpar.run import RunConfig, check_writable, write_json_atomically
 
     strategies = parse_strategies(args.strategies) if args.strategies else STRATEGIES
     if args.json:
@@ -197,7 +182,7 @@ def _compile(args) -> int:
         _simulate_cpu_devices(topology.num_chips)
     from jaxpar.aot import compile_report, format_report
     from jaxpar.errors import JobFailed, size_text
-    from jaxpar.train.loop import check_at_least, check_writable, write_json_atomically
+    from jaxpar.run import check_at_least, check_writable, write_json_atomically
     from jaxpar.train.step import TrainConfig
 
     if args.json:
@@ -261,7 +246,7 @@ def _affinity(args) -> int:
     _simulate_cpu_devices(1)  # the weights are read on the host: no accelerator plugin is probed
     from jaxpar import affinity
     from jaxpar.serve import common
-    from jaxpar.train.loop import check_writable
+    from jaxpar.run import check_writable
 
     check_writable(args.out, "--out")
     with _one_line_warnings("affinity"):
@@ -338,7 +323,7 @@ def _generate(args) -> int:
     topology = _generate_topology(args)
     from jaxpar.errors import JaxparError
     from jaxpar.serve import common
-    from jaxpar.train.loop import check_writable, devices_for
+    from jaxpar.run import check_writable, devices_for
 
     common.check_pick(args.temperature, args.top_p)
     if args.json:
@@ -373,7 +358,7 @@ def _generate_llama(args, prompts, layout, began) -> int:
     import time
 
     from jaxpar.serve import llama as decoder
-    from jaxpar.train.loop import check_at_least, write_json_atomically
+    from jaxpar.run import check_at_least, write_json_atomically
 
     new = 64 if args.max_new_tokens is None else args.max_new_tokens
     check_at_least("--max-new-tokens", new, 1)
@@ -400,7 +385,7 @@ def _generate_blocks(args, prompt, layout, began) -> int:
     import time
 
     from jaxpar.serve import bd3lm as sampler
-    from jaxpar.train.loop import check_at_least, write_json_atomically
+    from jaxpar.run import check_at_least, write_json_atomically
 
     new_blocks = 4 if args.new_blocks is None else args.new_blocks
     check_at_least("--new-blocks", new_blocks, 1)
@@ -438,7 +423,7 @@ def _check(args) -> int:
     topology = _cpu_topology_simulated(args.topology)
     import numpy as np
 
-    from jaxpar.train.loop import RunConfig, build_trainer, check_run
+    from jaxpar.run import RunConfig, build_trainer, check_run
     from jaxpar.train.step import TrainConfig
 
     run = RunConfig(model=args.model, strategy=args.strategy, steps=1, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -480,7 +465,7 @@ def _train(args) -> int:
     from jaxpar.errors import JaxparError
     from jaxpar.report import format_summary, step_report
     from jaxpar.train.checkpoint import CheckpointConfig
-    from jaxpar.train.loop import (
+    from jaxpar.run import (
         NothingToDo, RunConfig, check_run, check_writable, interruption_message, run_training, write_json_atomically,
     )
     from jaxpar.train.step import TrainConfig
@@ -547,7 +532,7 @@ def _partial_metrics(path: str | None, run, topology):
         import jax
 
         from jaxpar.errors import JaxparError, JobFailed
-        from jaxpar.train.loop import write_json_atomically
+        from jaxpar.run import write_json_atomically
 
         if jax.process_index() != 0:  # process 0 writes for the job
             return
@@ -566,7 +551,7 @@ def _train_dcp(args, topology) -> int:
     from jaxpar.errors import JaxparError
     from jaxpar.models import llama, model_config
     from jaxpar.train import data, dcp
-    from jaxpar.train.loop import write_json_atomically
+    from jaxpar.run import write_json_atomically
     from jaxpar.train.step import TrainConfig
 
     ignored = [flag for flag, given in (("--strategy", args.strategy != "fsdp=4,tensor=2"), ("--checkpoint-dir", args.checkpoint_dir),
@@ -656,7 +641,7 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_BAD_INPUT
-    from jaxpar.errors import JaxparError, JobFailed
+    from jaxpar.errors import JaxparError
 
     command = {"train": _train, "bench": _bench, "compile": _compile, "launch": _launch, "checkpoints": _checkpoints,
                "check": _check, "generate": _generate, "affinity": _affinity}[args.command]
@@ -664,10 +649,8 @@ def main(argv=None) -> int:
     with _signals_end(args.command):
         try:
             status = command(args)
-        except JobFailed as err:
-            status, message = EXIT_FAILED, str(err)
-        except JaxparError as err:
-            status, message = EXIT_BAD_INPUT, str(err)
+        except JaxparError as err:  # bad input (2), or a job that ran and failed (JobFailed: 1)
+            status, message = err.exit_status, str(err)
         except KeyboardInterrupt:
             status, message = EXIT_SIGINT, "interrupted by SIGINT"
         except _Terminated:

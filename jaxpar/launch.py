@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 
-from jaxpar.errors import JaxparError, JobFailed
+from jaxpar.errors import EXIT_BAD_INPUT, JaxparError, JobFailed
 
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
@@ -316,7 +316,6 @@ def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=None) -> 
             f"command {command[0]!r} was not found: it is neither an executable file nor a program on PATH; "
             f"give one, e.g. jaxpar launch -- jaxpar train"
         )
-    from jaxpar.cli import EXIT_BAD_INPUT  # the exit statuses are defined once, with the command line
 
     out = out or sys.stdout
     status_dir = cfg.status_dir or tempfile.mkdtemp(prefix="jaxpar-launch-")

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxpar.collectives import collective_matmul
 from jaxpar.errors import LayoutError
-from jaxpar.rules import _ACTIVE, _CALLS, Layout, Names, _called, stored_table, varying_axes
+from jaxpar.rules import _ACTIVE, _CALLS, Layout, Names, _called, stored_table, vary_over, varying_axes
 
 
 def _check_rank(x, names):
@@ -187,8 +187,7 @@ def start_delayed(x, names: Names):
 
 def _vary_everywhere(x, layout: Layout):
     """``x`` marked as differing over every mesh axis of ``layout`` (of degree above 1)."""
-    missing = tuple(a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1 and a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return vary_over(x, [a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1])
 
 
 def residual_add(x, partial, contracted: Sequence[str], names: Names, pending=None, project=None):
@@ -272,9 +271,7 @@ def embed_lookup(table, tokens, out_names: Names, table_names: Names = ("vocab",
     if stored is None:
         return _lookup(table[...] if hasattr(table, "get_raw_value") else table, tokens, out_names, table_names)
     shard, axes = stored
-    missing = tuple(a for a in axes if a not in varying_axes(tokens))
-    ids = jax.lax.pcast(tokens, missing, to="varying") if missing else tokens
-    ids = jax.lax.all_gather(ids, axes, axis=0, tiled=True)
+    ids = jax.lax.all_gather(vary_over(tokens, axes), axes, axis=0, tiled=True)
     # rows in the stored dtype, cast after the lookup: the scatter-add that is its backward sums
     # the group's gradients in float32 (only single tokens' rows travel in the compute dtype)
     rows = _rows(shard, ids, table_names).astype(_ACTIVE.get().compute_dtype)

@@ -1,7 +1,7 @@
 """The main job's report, the parts read off the compiled step, and the summary ``jaxpar train``
 prints.
 
-``jaxpar.train.loop.run_training`` trains and reports losses, times and checkpoints; train/ reads
+``jaxpar.run.run_training`` trains and reports losses, times and checkpoints; train/ reads
 no compiled program. Given ``analyze=step_report`` it adds what the analysis measures on the
 compiled step: memory per device against the ZeRO table, and the step's collectives against the
 analytic optimum. ``jaxpar train`` and ``jaxpar bench`` report both.
@@ -14,7 +14,7 @@ import numpy as np
 from jaxpar.analysis import hlo, memory, traffic
 from jaxpar.attention import CAUSAL
 from jaxpar.collectives import block_parallel, context_attention
-from jaxpar.train.loop import interruption_message
+from jaxpar.run import interruption_message
 from jaxpar.train.step import nonfinite_message
 
 

@@ -256,6 +256,14 @@ def varying_axes(x) -> set[str]:
     return set(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
+def vary_over(x, axes):
+    """``x`` typed to differ over the manual mesh ``axes`` too (inside shard_map: a loop's carry,
+    switch branches and values added together must agree in type; a backward pass then sums
+    ``x``'s gradient once, where it is cast)."""
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def logical_names(variable) -> tuple[str | None, ...] | None:
     """Logical names of an nnx Variable (from ``nnx.with_partitioning``), or None if it has none."""
     meta = variable.get_metadata()

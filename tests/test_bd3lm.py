@@ -261,7 +261,7 @@ def test_bad_input_is_refused_in_words():
 def test_main_job_trains_the_diffusion_objective():
     from jaxpar.report import step_report
     from jaxpar.topology import load_topology
-    from jaxpar.train.loop import RunConfig, run_training
+    from jaxpar.run import RunConfig, run_training
 
     run = RunConfig(model="bd3lm-tiny", block_size=16, strategy="data=2,fsdp=2,tensor=2", steps=20, batch_size=8, seq_len=64)
     report = run_training(run, load_topology("cpu-8"), progress=None, analyze=step_report)
@@ -284,7 +284,7 @@ def test_a_diffusion_row_is_the_same_whichever_process_reads_it():
 
 
 def test_main_job_refuses_what_the_model_cannot_take():
-    from jaxpar.train.loop import RunConfig, run_model_config
+    from jaxpar.run import RunConfig, run_model_config
 
     with pytest.raises(JaxparError, match="--block-size 16 is for block diffusion models"):
         run_model_config(RunConfig(model="tiny", block_size=16))

@@ -23,7 +23,7 @@ from jaxpar.errors import JaxparError, LayoutError, SpecError
 from jaxpar.models import bd3lm, llama
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.train import data
-from jaxpar.train.loop import check_block_degree, check_model_axes
+from jaxpar.run import check_block_degree, check_model_axes
 from jaxpar.train.step import Trainer
 from tests.test_equivalence import CFG, OPTIMIZER, STEPS, assert_same, oracle, sharded
 

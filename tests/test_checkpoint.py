@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import cli
-from jaxpar.train import loop
+from jaxpar import run as loop
 
 from jaxpar.errors import JaxparError
 from jaxpar.models import llama
@@ -28,7 +28,7 @@ from jaxpar.train.checkpoint import (
     LOCK_NAME, CheckpointConfig, CheckpointLocked, Checkpointer, CheckpointWriteFailed, block_checksums, flat_arrays,
     list_checkpoints, load_arrays,
 )
-from jaxpar.train.loop import RunConfig, build_trainer, run_training
+from jaxpar.run import RunConfig, build_trainer, run_training
 from jaxpar.train.step import Trainer
 
 RUN = RunConfig(model="tiny", strategy="fsdp=8", steps=4, batch_size=8, seq_len=32, seed=0)

@@ -17,7 +17,7 @@ from jaxpar import bench, cli, launch
 from jaxpar.errors import JobFailed, SpecError
 from jaxpar.parallel import parse_strategy
 from jaxpar.topology import meshes_dir
-from jaxpar.train import loop
+from jaxpar import run as loop
 from jaxpar.train.step import Trainer
 
 BAD_INPUT = [

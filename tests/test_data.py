@@ -105,7 +105,7 @@ def test_target_beyond_the_stdlib_is_explained():
 @pytest.mark.parametrize("strategy, ranges", [("fsdp=8", 8), ("data=2,tensor=4", 2), ("fsdp=2,tensor=4", 2), ("tensor=4", 1)])
 def test_process_batch_reads_each_held_row_range_once(tokens, strategy, ranges):
     from jaxpar.topology import load_topology
-    from jaxpar.train.loop import RunConfig, build_trainer
+    from jaxpar.run import RunConfig, build_trainer
 
     topology = "cpu-4" if strategy == "tensor=4" else "cpu-8"
     trainer, _, _ = build_trainer(RunConfig(strategy=strategy), load_topology(topology))

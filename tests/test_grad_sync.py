@@ -26,7 +26,7 @@ from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.report import format_summary, step_report
 from jaxpar.topology import load_topology
 from jaxpar.train import data
-from jaxpar.train.loop import RunConfig, run_training
+from jaxpar.run import RunConfig, run_training
 from jaxpar.train.step import TrainConfig, Trainer
 
 BATCH, SEQ = 16, 32

@@ -13,7 +13,7 @@ from jaxpar.report import step_report
 from jaxpar.serve.llama import generate_from_checkpoint
 from jaxpar.train.checkpoint import CheckpointConfig
 from jaxpar.topology import load_topology
-from jaxpar.train.loop import RunConfig, run_training
+from jaxpar.run import RunConfig, run_training
 
 
 RUN = RunConfig(model="tiny", strategy="fsdp=4,tensor=2", steps=80, batch_size=16, seq_len=64, seed=0)
@@ -67,7 +67,7 @@ def test_the_checkpoint_continues_text_of_the_corpus_kind(report, checkpoint_dir
 # that the step it stops at is known (the signal itself is a real one, from another process)
 PAUSE_AFTER = """
 import sys
-import jaxpar.train.loop as loop
+import jaxpar.run as loop
 from jaxpar import cli
 
 report = loop.report_progress

@@ -15,7 +15,7 @@ from jaxpar import cli, launch
 from jaxpar.errors import JaxparError
 from jaxpar.topology import load_topology
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer, flat_arrays, load_arrays
-from jaxpar.train.loop import RunConfig, build_trainer, run_training
+from jaxpar.run import RunConfig, build_trainer, run_training
 
 pytestmark = pytest.mark.multiprocess
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxpar.analysis import hlo
 from jaxpar.analysis.memory import replicated_params, stored_tables, tensor_local_params
+from jaxpar.models import bd3lm
 from jaxpar.parallel import STRATEGIES
 
 # Scalar reductions (the loss, the gradient norm for clipping) are not part of any formula.
@@ -47,6 +48,9 @@ class TrafficContext:
     model: object  # the LlamaConfig, for the activation traffic (None: weights only)
     schedule: object  # the pipeline schedule, or None
     remat: str = "none"  # what the backward pass recomputes (a recomputed forward sends its traffic again)
+    # a block diffusion model's clean keys each noisy block reads (its mask's ``clean_reads``), for
+    # clean_kv=fetch's all-to-all; None elsewhere
+    clean_reads: object = None
 
 
 def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
@@ -66,6 +70,8 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
         microbatches=cfg.microbatches, batch_shards=layout.batch_shards, batch=batch_shape[0], length=batch_shape[1],
         model=model_cfg, schedule=trainer.schedule, remat=cfg.remat,
         held_length=held_length(layout, batch_shape[1]),
+        clean_reads=(bd3lm.block_diffusion_mask(batch_shape[1] // 2, model_cfg.block_size, model_cfg.window).blocks.allowed.clean_reads
+                     if layout.diffusion_fetch and model_cfg is not None else None),
     )
 
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.kernels.wire import BLOCK, GROUP, GROUPS_PER_BLOCK, MAX_BITS, MIN_BITS, TWINS, GroupImpl, Packed, levels
-from jaxpar.rules import varying_axes
+from jaxpar.rules import vary_over, varying_axes
 
 
 def budget_words(values: int, bits: float) -> int:
@@ -113,8 +113,8 @@ def allocate_bits(group_scale: jax.Array, budget: int) -> jax.Array:
 
     # the smallest positive threshold whose steps fit; +inf (0x7F800000) takes none, so one fits
     bounds = (jnp.int32(1), jnp.int32(0x7F800000))
-    varying = tuple(sorted(varying_axes(top)))  # inside shard_map: the carry must vary like the scales
-    _, t = jax.lax.fori_loop(0, 31, halve, jax.lax.pcast(bounds, varying, to="varying") if varying else bounds)
+    bounds = tuple(vary_over(b, varying_axes(top)) for b in bounds)  # inside shard_map: the carry varies like the scales
+    _, t = jax.lax.fori_loop(0, 31, halve, bounds)
     taken = steps_taken(t)
     tied = (steps_taken(t - 1) > taken) & (rel > 0)  # would widen at the next lower threshold
     left = extra - jnp.sum(taken)

@@ -36,7 +36,6 @@ import math
 from jaxpar.collectives import block_parallel
 from jaxpar.errors import SpecError
 from jaxpar.mesh import divisors
-from jaxpar.models.bd3lm import block_diffusion_mask
 from jaxpar.parallel import data
 
 AXES = ("block",)
@@ -126,8 +125,7 @@ def traffic(strategy, ctx) -> dict:
     out = {("all-reduce", "block"): data.grad_allreduce_bytes(shard, n * p) - data.grad_allreduce_bytes(shard, n)} if p > 1 else {}
     if ctx.layout.diffusion_fetch and model is not None:
         length = ctx.length // 2  # tokens per half of [x_t ; x_0]
-        reads = block_diffusion_mask(length, model.block_size, model.window).blocks.allowed.clean_reads
-        slot = block_parallel.fetch_plan(reads, length, model.block_size, p * ring, ring)[0].shape[2]
+        slot = block_parallel.fetch_plan(ctx.clean_reads, length, model.block_size, p * ring, ring)[0].shape[2]
         kv_heads = max(1, model.kv_heads // ctx.mesh["tensor"])
         pair = ctx.batch // ctx.batch_shards * slot * kv_heads * model.head_dim * 2 * ctx.compute_bytes  # K and V of a slot
         out[("all-to-all", "context")] = model.layers * (1 + (ctx.remat != "none") + 1) * (ring - 1) * pair

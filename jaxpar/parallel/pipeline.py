@@ -58,7 +58,7 @@ from jaxpar import layer_scan
 from jaxpar.errors import LayoutError
 from jaxpar.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
 from jaxpar.rules import (Layout, gather_layers_when_read, gather_params, gathered, logical_names, stored_shape, use_layout,
-                          varying_axes)
+                          vary_over, varying_axes)
 
 STAGE_AXIS = "stage"
 
@@ -219,12 +219,6 @@ def to_layer_order(stage_ordered, schedule: Schedule):
 
 # --- the executor, per device ------------------------------------------------------------------
 
-
-def vary_over(x, axes):
-    """``x`` cast to vary over ``axes`` too (shard_map's types must agree across switch branches
-    and scan steps)."""
-    missing = tuple(sorted(set(axes) - varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _unify(fns, *operands):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict as flatten
 from flax.traverse_util import unflatten_dict as nest
 
-from jaxpar.rules import Layout, varying_axes
+from jaxpar.rules import Layout, vary_over, varying_axes
 
 
 def local_microbatches(batch, k: int):
@@ -32,8 +32,7 @@ def acc_zeros(x, scatters, layout: Layout):
     for dim, axes in scatters:
         shape[dim] //= math.prod(layout.mesh.shape[a] for a in axes)
     zeros = jnp.zeros(shape, jnp.float32)
-    vma = varying_axes(x) | set(layout.loss_axes)
-    return jax.lax.pcast(zeros, tuple(vma), to="varying") if vma else zeros
+    return vary_over(zeros, varying_axes(x) | set(layout.loss_axes))
 
 
 def accumulator_bytes(acc) -> int:

@@ -35,7 +35,7 @@ from jaxpar.collectives import context_attention
 from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel import context, delayed, fsdp, schedules
-from jaxpar.rules import Layout, gather_layers_when_read, gather_params, record_model_calls, use_layout, varying_axes
+from jaxpar.rules import Layout, gather_layers_when_read, gather_params, record_model_calls, use_layout, vary_over, varying_axes
 from jaxpar.train import check as check_lib
 from jaxpar.train import grad_sync, gspmd, partial_sums, reductions, remat
 from jaxpar.train.accumulate import accumulate, accumulator_bytes, local_microbatches
@@ -299,11 +299,7 @@ class Trainer:
 
         # Make every weight vary over the axes the tokens are split over: its gradient is then the
         # unreduced local one, and the reductions below are the only ones (no implicit all-reduce).
-        def to_varying(x):
-            axes = tuple(a for a in layout.loss_axes if a not in varying_axes(x))
-            return jax.lax.pcast(x, axes, to="varying") if axes else x
-
-        varying = nest({p: to_varying(v) for p, v in flatten(params).items()})
+        varying = nest({p: vary_over(v, layout.loss_axes) for p, v in flatten(params).items()})
         micro = local_microbatches(context_attention.local_sequences(batch, layout) if split_sequence else batch, k)
 
         def model_loss(p, mb):

@@ -15,7 +15,7 @@ launch.initialize()
 
 from jaxpar.topology import load_topology  # noqa: E402
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
-from jaxpar.train.loop import RunConfig, build_trainer  # noqa: E402
+from jaxpar.run import RunConfig, build_trainer  # noqa: E402
 
 source, dest, strategy, topology = sys.argv[1:5]
 trainer, _, _ = build_trainer(RunConfig(strategy=strategy), load_topology(topology))
