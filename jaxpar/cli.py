@@ -306,6 +306,11 @@ def _generate_prompts(args) -> list[str]:
     if args.prompt is not None and args.prompts_file:
         raise JaxparError("give --prompt or --prompts-file, not both")
     if not args.prompts_file:
+        try:  # bytes the shell passed that are not UTF-8 arrive as lone surrogates (Python's surrogateescape)
+            (args.prompt or "").encode("utf-8")
+        except UnicodeEncodeError:
+            raise JaxparError(f"--prompt {args.prompt!r} holds bytes that are not UTF-8 text; give the prompt as UTF-8 "
+                              f"(the byte tokenizer reads its UTF-8 bytes), or put it in a UTF-8 --prompts-file") from None
         return [args.prompt or ""]
     try:
         with open(args.prompts_file, encoding="utf-8") as f:
@@ -426,12 +431,22 @@ def _check(args) -> int:
     from jaxpar.run import RunConfig, build_trainer, check_run
     from jaxpar.train.step import TrainConfig
 
+    from jaxpar.train import check as check_lib
+    from jaxpar.train import data
+
     run = RunConfig(model=args.model, strategy=args.strategy, steps=1, batch_size=args.batch_size, seq_len=args.seq_len,
                     seed=args.seed, train=TrainConfig(microbatches=args.microbatches, compute_dtype=args.compute_dtype))
     check_run(run, None, "never")
+    check_lib.check_tolerance(args.tolerance)
     trainer, _, model_cfg = build_trainer(run, topology)
-    tokens = np.random.default_rng(args.seed).integers(0, model_cfg.vocab_size, (args.batch_size, args.seq_len + 1), dtype=np.int32)
-    report = trainer.check(tokens, args.tolerance, args.seed)
+    check_lib.check_comparable(trainer.layout)
+    ids = getattr(model_cfg, "mask_id", model_cfg.vocab_size)  # a block diffusion model's MASK id is no data token
+    tokens = np.random.default_rng(args.seed).integers(0, ids, (args.batch_size * args.seq_len * 2,), dtype=np.int32)
+    if hasattr(model_cfg, "block_size"):  # a block diffusion model reads [x_t ; x_0] with its noise levels
+        batch = data.diffusion_batch_at(tokens, 0, args.batch_size, args.seq_len, args.seed, 0, args.batch_size, model_cfg)
+    else:
+        batch = tokens[: args.batch_size * (args.seq_len + 1)].reshape(args.batch_size, args.seq_len + 1)
+    report = trainer.check(batch, args.tolerance, args.seed)
     print(f"{args.model} under {args.strategy} on {topology.name}: {report.format()}")
     return EXIT_OK if report.ok else EXIT_FAILED
 
@@ -470,8 +485,6 @@ def _train(args) -> int:
     )
     from jaxpar.train.step import TrainConfig
 
-    if args.dcp == "on":
-        return _train_dcp(args, topology)
     checkpoint = None
     given = {k: v for k, v in (("every", args.checkpoint_every), ("keep", args.keep_checkpoints)) if v is not None}
     if args.checkpoint_dir:
@@ -498,6 +511,8 @@ def _train(args) -> int:
     check_run(run, checkpoint, resume)  # before joining a multi-process job (run_training checks again)
     if args.metrics_json:  # the report: about 3 KiB of settings and figures, and 75 bytes a step
         check_writable(args.metrics_json, "--metrics-json", room=8192 + 96 * run.steps)
+    if args.dcp == "on":
+        return _train_dcp(args, topology)
     launch.initialize(dist, topology.platform)
     try:
         report = run_training(run, topology, checkpoint=checkpoint, resume=resume, analyze=step_report,
@@ -551,25 +566,38 @@ def _train_dcp(args, topology) -> int:
     from jaxpar.errors import JaxparError
     from jaxpar.models import llama, model_config
     from jaxpar.train import data, dcp
-    from jaxpar.run import write_json_atomically
+    from jaxpar.run import StopSignals, write_json_atomically
     from jaxpar.train.step import TrainConfig
 
-    ignored = [flag for flag, given in (("--strategy", args.strategy != "fsdp=4,tensor=2"), ("--checkpoint-dir", args.checkpoint_dir),
-                                        ("--packing", args.packing == "on"), ("--context-algorithm", args.context_algorithm)) if given]
+    # (the run's numbers were checked with the main job's: check_run)
+    ignored = [flag for flag, given in (
+        ("--strategy", args.strategy != "fsdp=4,tensor=2"), ("--checkpoint-dir", args.checkpoint_dir), ("--packing", args.packing == "on"),
+        ("--context-algorithm", args.context_algorithm), ("--microbatches", args.microbatches != 1), ("--remat", args.remat != "none"),
+        ("--grad-sync", args.grad_sync != "exact"), ("--grad-reduce-dtype", args.grad_reduce_dtype != "float32"),
+        ("--schedule", args.schedule is not None), ("--chunks", args.chunks is not None), ("--skip-nonfinite", args.skip_nonfinite),
+        ("--block-size", args.block_size is not None), ("--window", args.window is not None)) if given]
     if ignored:
-        raise JaxparError(f"--dcp on chooses the layout of every step itself (data and context over all devices, whole documents); "
-                          f"drop {', '.join(ignored)}")
+        raise JaxparError(f"--dcp on chooses the layout, accumulation and recomputation of every step itself (data and context "
+                          f"over all devices, whole documents, one exact float32 gradient sum); drop {', '.join(ignored)}")
+    if model_config(args.model).__class__ is not llama.LlamaConfig:
+        raise JaxparError(f"--dcp on trains a Llama on whole documents; --model {args.model} is not one: drop --dcp, or pick a Llama")
     cfg = model_config(args.model)
     docs = data.documents(data.split_corpus(data.corpus_tokens())[0])
     train_cfg = TrainConfig(learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, total_steps=args.steps,
                             compute_dtype=args.compute_dtype, attention=args.attention)
-    report = dcp.train(lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, cfg, docs, steps=args.steps,
-                       batch_size=args.batch_size, capacity=args.seq_len, memory_budget=0.5 * topology.hbm_bytes, seed=args.seed,
-                       cfg=train_cfg)
+    with StopSignals() as signals:  # SIGINT / SIGTERM stop the run at the next step boundary, as the main job's
+        report = dcp.train(lambda rngs: llama.Llama(cfg, rngs=rngs), llama.loss_fn, cfg, docs, steps=args.steps,
+                           batch_size=args.batch_size, capacity=args.seq_len, memory_budget=0.5 * topology.hbm_bytes, seed=args.seed,
+                           cfg=train_cfg, stop=lambda: signals.name is not None)
+    report["interrupted"] = signals.name
     ratios = ", ".join(f"{kind} {ratio:.2f}" for kind, ratio in report["imbalance"].items())
     print(f"programs (context degree, remat): {report['programs']}\nwork imbalance per device (max / mean, mean over steps): {ratios}")
     if args.metrics_json:
         write_json_atomically(args.metrics_json, report)
+    if signals.name:
+        print(f"jaxpar train: interrupted by {signals.name} after step {report['last_step']} of {report['steps']} "
+              f"(--dcp on keeps no checkpoint)", file=sys.stderr)
+        return EXIT_ON_SIGNAL[signals.name]
     return EXIT_OK
 
 

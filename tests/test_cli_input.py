@@ -44,7 +44,7 @@ BAD_INPUT = [
     ("train --strategy context=8 --seq-len 36", "sequence length 36 does not split over context"),
     ("train --strategy context=8 --context-algorithm all-to-all", "cannot split 8 ways"),
     ("train --strategy stage=2,context=2,fsdp=2 --microbatches 2", "the ring's collective-permutes would run inside the pipeline"),
-    ("train --dcp on --strategy data=8", "--dcp on chooses the layout of every step itself"),
+    ("train --dcp on --strategy data=8", "--dcp on chooses the layout, accumulation and recomputation of every step itself"),
     ("train --strategy expert=2,fsdp=4", "the expert axis is not supported by model tiny yet"),
     ("train --grad-sync-bits 4", "--grad-sync-bits 4.0 does nothing"),
     ("train --grad-sync-axes data", "--grad-sync-axes data does nothing"),
@@ -104,6 +104,19 @@ BAD_INPUT = [
     ("check --strategy fsdp=8,foo=bar", "'foo' in strategy 'fsdp=8,foo=bar' is not a mesh axis"),
     ("check --strategy data=8,param_shards=4", "the strategy has no fsdp axis"),
     ("check --strategy fsdp=8,context_algorithm=ring", "but the strategy has no context axis"),
+    ("check --tolerance -1", "--tolerance -1.0 must be a finite positive fraction"),
+    ("check --tolerance nan", "--tolerance nan must be a finite positive fraction"),
+    ("check --strategy data=2,tensor=4,delay=1", "delay=1 computes another function than one device"),
+    ("generate --checkpoint-dir {tmp} --prompt \udcff\udcfe", "holds bytes that are not UTF-8 text"),  # as Python gets them
+    # train --dcp on: the main job's checks, and the flags it would ignore
+    ("train --dcp on --steps 0", "--steps 0 is too small"),
+    ("train --dcp on --seq-len 0", "--seq-len 0 is too small"),
+    ("train --dcp on --batch-size 0", "--batch-size 0 is too small"),
+    ("train --dcp on --learning-rate -1", "--learning-rate -1 must be a finite positive number"),
+    ("train --dcp on --microbatches 4", "drop --microbatches"),
+    ("train --dcp on --grad-sync dynamiq", "drop --grad-sync"),
+    ("train --dcp on --remat full", "drop --remat"),
+    ("train --dcp on --model bd3lm-tiny", "--model bd3lm-tiny is not one"),
     # bench: every entry is checked before the first runs (run_training is forbidden below)
     ("bench --steps 0", "--steps 0 is too small: it must be at least 2"),
     ("bench --steps 1", "--steps 1 is too small: it must be at least 2"),

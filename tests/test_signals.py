@@ -89,3 +89,25 @@ def test_signals_at_any_moment_end_with_130_or_143_and_nothing_half_written(tmp_
             assert status == STATUS[name], f"{name} at {moment} s: exit status {status}\n{err[-3000:]}"
             found.append(f"{name} at {moment} s: {_check_outputs(name, cwd, err)}")
     print(f"{time.perf_counter() - began:.0f} s; " + "; ".join(found))
+
+
+DCP = ["-m", "jaxpar.cli", "train", "--dcp", "on", "--steps", str(STEPS), "--batch-size", "2", "--seq-len", "32"]
+
+
+@pytest.mark.slow
+def test_signals_stop_a_dcp_run_at_a_step_boundary(tmp_path):
+    """`--dcp on` runs its own loop: a signal there also ends the step in progress, then the run."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    runs = {name: subprocess.Popen([sys.executable, *DCP], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True) for name in STATUS}
+    for name, job in runs.items():  # once the first step has been logged, mid-run
+        assert any(line.startswith(f"step 1/{STEPS}:") for line in job.stdout), job.stderr.read()[-3000:]
+        job.send_signal(getattr(signal, name))
+    for name, job in runs.items():
+        status, out, err = _wait(job), job.stdout.read(), job.stderr.read()
+        assert status == STATUS[name], f"{name}: exit status {status}\n{err[-3000:]}"
+        stopped = re.fullmatch(rf"jaxpar train: interrupted by {name} after step (\d+) of {STEPS} \(--dcp on keeps no checkpoint\)",
+                               err.strip().splitlines()[-1])
+        assert stopped, err[-3000:]
+        logged = [int(m) for m in re.findall(rf"^step (\d+)/{STEPS}:", out, flags=re.M)] or [1]
+        assert int(stopped.group(1)) == max(logged)  # the last step logged is the one it stopped after

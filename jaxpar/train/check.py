@@ -8,11 +8,13 @@ largest gradient difference exceeds ``tolerance`` times its largest one-device g
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxpar.errors import JaxparError
 from jaxpar.rules import Layout
 
 # default tolerances, by compute dtype: float32 sums in another order differ in the last bits;
@@ -76,8 +78,27 @@ def one_device(layout: Layout) -> Layout:
     return dataclasses.replace(layout, mesh=mesh, dcn_axes=())
 
 
+def check_tolerance(tolerance: float | None):
+    """Refuse a tolerance no difference could be measured against (negative, zero, NaN, infinite)."""
+    if tolerance is not None and not (math.isfinite(tolerance) and tolerance > 0):
+        raise JaxparError(f"--tolerance {tolerance!r} must be a finite positive fraction of each weight's largest gradient "
+                          f"entry; give e.g. --tolerance 1e-4, or drop it (by dtype: {TOLERANCE})")
+
+
+def check_comparable(layout: Layout):
+    """Refuse a layout that computes another function than one device by design: delayed TP adds
+    each sublayer's sum one sublayer late (its oracle is a single-device simulation of the delayed
+    algorithm, as tests/test_delayed_tp.py writes it), so against one device every weight differs."""
+    if layout.delay_axes:
+        raise JaxparError("delay=1 computes another function than one device (each sublayer reads the others' sums one "
+                          "sublayer late), so comparing it with one device says nothing; check the same strategy with "
+                          "delay=0, which checks the layout's splits and sums")
+
+
 def check_trainer(trainer, batch, tolerance: float | None = None, seed: int = 0) -> CheckReport:
     """Compare ``trainer``'s layout with one device on host ``batch`` (see the module docstring)."""
+    check_tolerance(tolerance)
+    check_comparable(trainer.layout)
     Trainer = type(trainer)  # the twin on one device is built the same way
 
     cfg = dataclasses.replace(trainer.cfg, clip_norm=0.0, donate=False)

@@ -252,11 +252,12 @@ def rows_batch(sequences, rows, length: int, real: int) -> dict:
 
 
 def train(model_fn, loss_fn, model_cfg, docs, *, steps: int, batch_size: int, capacity: int, memory_budget: float,
-          seed: int = 0, cfg: TrainConfig = TrainConfig(), log=print) -> dict:
+          seed: int = 0, cfg: TrainConfig = TrainConfig(), log=print, stop=lambda: False) -> dict:
     """The main job under DCP (``jaxpar train --dcp on``): each step ``batch_size`` of the corpus's
     documents (``data.documents_at``, at most ``capacity`` x devices + 1 tokens each), planned,
     run and applied; the report holds the losses and, over all steps' batches, the work imbalance
-    of the plans against static context parallelism and plain packing."""
+    of the plans against static context parallelism and plain packing. ``stop()`` true after a
+    step ends the run there (a signal caught by the caller: ``jaxpar train`` stops at a step boundary)."""
     from jaxpar.train import data  # the corpus; the planner above needs only lengths
 
     trainer = DataCentricTrainer(model_fn, loss_fn, model_cfg, cfg, capacity=capacity, memory_budget=memory_budget)
@@ -271,5 +272,7 @@ def train(model_fn, loss_fn, model_cfg, docs, *, steps: int, batch_size: int, ca
         losses.append(float(metrics["loss"]))
         log(f"step {step + 1}/{steps}: loss {losses[-1]:.4f}, {len(batch)} documents of {min(len(s) for s in batch)}-"
             f"{max(len(s) for s in batch)} tokens, context degrees {contexts}")
-    return {"losses": losses, "programs": sorted(trainer._programs),
+        if stop():
+            break
+    return {"losses": losses, "steps": steps, "last_step": len(losses), "programs": sorted(trainer._programs),
             "imbalance": {kind: float(np.mean([r[kind] for r in ratios])) for kind in ratios[0]}}
