@@ -426,13 +426,10 @@ def _check_parser(sub):
 
 def _check(args) -> int:
     topology = _cpu_topology_simulated(args.topology)
-    import numpy as np
-
-    from jaxpar.run import RunConfig, build_trainer, check_run
-    from jaxpar.train.step import TrainConfig
-
+    from jaxpar.run import RunConfig, build_trainer, check_run, rows_at
     from jaxpar.train import check as check_lib
     from jaxpar.train import data
+    from jaxpar.train.step import TrainConfig
 
     run = RunConfig(model=args.model, strategy=args.strategy, steps=1, batch_size=args.batch_size, seq_len=args.seq_len,
                     seed=args.seed, train=TrainConfig(microbatches=args.microbatches, compute_dtype=args.compute_dtype))
@@ -440,12 +437,8 @@ def _check(args) -> int:
     check_lib.check_tolerance(args.tolerance)
     trainer, _, model_cfg = build_trainer(run, topology)
     check_lib.check_comparable(trainer.layout)
-    ids = getattr(model_cfg, "mask_id", model_cfg.vocab_size)  # a block diffusion model's MASK id is no data token
-    tokens = np.random.default_rng(args.seed).integers(0, ids, (args.batch_size * args.seq_len * 2,), dtype=np.int32)
-    if hasattr(model_cfg, "block_size"):  # a block diffusion model reads [x_t ; x_0] with its noise levels
-        batch = data.diffusion_batch_at(tokens, 0, args.batch_size, args.seq_len, args.seed, 0, args.batch_size, model_cfg)
-    else:
-        batch = tokens[: args.batch_size * (args.seq_len + 1)].reshape(args.batch_size, args.seq_len + 1)
+    # the main job's first batch, made as the run makes it (a block diffusion model's [x_t ; x_0] too)
+    batch = rows_at(run, model_cfg)(data.corpus_tokens(), 0, 0, args.batch_size)
     report = trainer.check(batch, args.tolerance, args.seed)
     print(f"{args.model} under {args.strategy} on {topology.name}: {report.format()}")
     return EXIT_OK if report.ok else EXIT_FAILED

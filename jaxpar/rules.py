@@ -392,8 +392,8 @@ def _local_replica(value, names, layout: Layout):
     local grouped attention; the backward pass sums each head's gradient over the devices reading it."""
     for dim, name in enumerate(names):
         axes = layout.axes_of(name) if name in layout.replicable else ()
-        if not axes or any(a in varying_axes(value) for a in axes):
-            continue  # not replicable, or split like any other dim
+        if not axes or any(a in varying_axes(value) for a in axes) or layout.axes_of("heads") != axes:
+            continue  # not replicable, split like any other dim, or the query heads are not split alike
         ways, size = math.prod(layout.mesh.shape[a] for a in axes), value.shape[dim]
         index = 0
         for axis in axes:

@@ -264,11 +264,10 @@ class NothingToDo(JaxparError):
     nothing in the directory is written or deleted (``jaxpar train`` says so and exits 0)."""
 
 
-def _delayed_over(strategy: str) -> int:
-    """The tensor degree whose all-reduces a strategy (as written in a checkpoint's meta) delays
-    with ``delay=1``, else 0: delayed TP is another function, and one per tensor degree."""
-    options = dict(item.split("=", 1) for item in strategy.split(",") if "=" in item)
-    return int(options.get("tensor", 1)) if options.get("delay") == "1" else 0
+def _delayed_over(strategy: Strategy) -> int:
+    """The tensor degree whose all-reduces ``strategy`` delays with ``delay=1``, else 0: delayed TP
+    is another function, and one per tensor degree."""
+    return strategy.degrees["tensor"] if strategy.options["delay"] else 0
 
 
 def check_same_function(run: RunConfig, cfg, strategy: Strategy, directory: str, meta: dict):
@@ -290,7 +289,7 @@ def check_same_function(run: RunConfig, cfg, strategy: Strategy, directory: str,
             fix = f"pass --window {meta['window']}" if meta.get("window") else "drop --window"
             raise JaxparError(f"{where} was trained with {said(meta.get('window'))}, and this run has {said(cfg.window)}: "
                               f"another window makes another function of the same weights; {fix} to resume it, {afresh}")
-    saved, given = _delayed_over(meta["strategy"]), _delayed_over(str(strategy))
+    saved, given = _delayed_over(parse_strategy(meta["strategy"], meta["devices"])), _delayed_over(strategy)
     if saved != given:
         said = lambda d: f"delay=1 over tensor={d}" if d else "no delay=1"  # noqa: E731
         fix = f"resume with tensor={saved},delay=1 in --strategy" if saved else "drop delay=1 from --strategy to resume it"
@@ -340,18 +339,25 @@ def _data_position(run: RunConfig, next_step: int) -> dict:
     return {"seed": run.seed, "batch_size": run.batch_size, "seq_len": run.seq_len, "next_step": next_step}
 
 
+def rows_at(run: RunConfig, cfg):
+    """``rows(corpus, step, first, stop)``: rows [first, stop) of the run's batch at ``step``, on the
+    host, as its data settings make them (``corpus``: the token stream, or its documents under
+    ``--packing``)."""
+    if run.packing:  # whole documents packed into rows
+        make = data.packed_batch_at
+    elif model_family(cfg) == "bd3lm":  # windows of the token stream, each block corrupted at a noise level of its own
+        make = functools.partial(data.diffusion_batch_at, cfg=cfg)
+    else:  # random windows of the token stream
+        make = data.local_batch_at
+    return lambda corpus, step, first, stop: make(corpus, step, run.batch_size, run.seq_len, run.seed, first, stop)
+
+
 def _batches(run: RunConfig, trainer: Trainer, cfg, tokens, held_out):
     """(training corpus, held-out corpus, batch_of(corpus, step)) as the run's data settings say."""
-    if run.packing:  # whole documents packed into rows
-        train, held = data.documents(tokens), data.documents(held_out)
-        rows_at = data.packed_batch_at
-    elif model_family(cfg) == "bd3lm":  # windows of the token stream, each block corrupted at a noise level of its own
-        train, held = tokens, held_out
-        rows_at = functools.partial(data.diffusion_batch_at, cfg=cfg)
-    else:  # random windows of the token stream
-        train, held, rows_at = tokens, held_out, data.local_batch_at
+    train, held = (data.documents(tokens), data.documents(held_out)) if run.packing else (tokens, held_out)
+    rows = rows_at(run, cfg)
     batch_of = lambda corpus, step: trainer.put_process_batch(  # noqa: E731
-        run.batch_size, lambda a, b: rows_at(corpus, step, run.batch_size, run.seq_len, run.seed, a, b)
+        run.batch_size, lambda a, b: rows(corpus, step, a, b)
     )
     return train, held, batch_of
 

@@ -9,8 +9,10 @@ axis splits (seeded from the weights' stored layout) and which tracked axes it i
 over, and refuses the first partial sum that meets a non-linear op (a norm, a softmax, a product of
 two partial sums, a comparison) or leaves the loss, naming the op that made it and the op it met.
 
-It is conservative: a primitive it does not know keeps what it knows of partial sums but forgets
-which dims are split, so it may miss a fault, never invent one. Axes that jaxpar's own runtime sums
+A primitive it does not know keeps what it knows of partial sums; where its operands are shaped
+like its output it is taken as elementwise (each dim split as theirs), otherwise it forgets which
+dims are split, and only a known non-linear op refuses: it leans to missing a fault rather than
+inventing one. Axes that jaxpar's own runtime sums
 (the batch and sequence axes, block parallelism, delayed TP's residual stream) are not tracked.
 """
 
@@ -31,7 +33,7 @@ _NON_LINEAR = frozenset({
     "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "sqrt", "rsqrt", "cbrt", "pow",
     "integer_pow", "square", "abs", "sign", "max", "min", "reduce_max", "reduce_min", "argmax", "argmin", "erf",
     "erfc", "erf_inv", "lt", "le", "gt", "ge", "eq", "ne", "round", "floor", "ceil", "is_finite", "clamp", "sort",
-    "top_k", "cumlogsumexp", "cummax", "cummin", "atan2", "rem", "logsumexp",
+    "top_k", "cumlogsumexp", "cummax", "cummin", "atan2", "rem",
 })
 _LIBRARIES = (f"{os.sep}flax{os.sep}", f"{os.sep}jaxpar{os.sep}", f"{os.sep}optax{os.sep}")
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "reduce_prod"})
@@ -61,7 +63,7 @@ def check(jaxpr, seeds, axes: frozenset[str]):
     if not axes:
         return
     known = [_Value(tuple(frozenset(d) & axes for d in dims)) for dims in seeds]
-    outs = _run(jaxpr.jaxpr, known, axes, jaxpr.consts)
+    outs = _run(jaxpr.jaxpr, known, axes)
     for out in outs:
         if out.partial:
             axis, origin = next(iter(out.partial.items()))
@@ -84,7 +86,7 @@ def _where(eqn) -> str:
     return f"{eqn.primitive.name} at {source_info_util.summarize(eqn.source_info)}"
 
 
-def _run(jaxpr, inputs, axes, consts=()) -> list[_Value]:
+def _run(jaxpr, inputs, axes) -> list[_Value]:
     env = {}
     for var, value in zip(jaxpr.invars, inputs):
         env[var] = value
