@@ -34,8 +34,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpar.analysis import hlo, roofline  # noqa: E402
-from jaxpar.collectives import block_parallel  # noqa: E402
-from jaxpar.collectives.context_attention import sequence_order  # noqa: E402
+from jaxpar.parallel.block import blocks as block_parallel  # noqa: E402
+from jaxpar.parallel.context.split_attention import FETCH, RING, sequence_order  # noqa: E402
 from jaxpar.models import bd3lm  # noqa: E402
 from jaxpar.parallel import build_layout, parse_strategy  # noqa: E402
 from jaxpar.topology import load_topology  # noqa: E402
@@ -67,9 +67,9 @@ def cpu_rows(steps: int, seq_len: int, block_size: int, window: int):
         cols = hlo.collectives(trainer._step.lower(trainer.abstract_state(), example).compile().as_text(), trainer.layout.mesh)
         sent = hlo.summarize([c for c in cols if c.operand_bytes > 8])
         layout = trainer.layout
-        ranks = max(1, int(np.prod([layout.mesh.shape[a] for a in layout.block_axes])))
-        ring = int(np.prod([layout.mesh.shape[a] for a in layout.ring_axes]))
-        work = device_pairs(seq_len, block_size, cfg.window, ranks, ring, layout.diffusion_fetch)
+        ranks = max(1, int(np.prod([layout.mesh.shape[a] for a in layout.role(block_parallel.BLOCKS)])))
+        ring = int(np.prod([layout.mesh.shape[a] for a in layout.role(RING)]))
+        work = device_pairs(seq_len, block_size, cfg.window, ranks, ring, bool(layout.role(FETCH)))
         yield strategy, cfg.window, statistics.median(times), sent, work.max() / work.mean()
 
 

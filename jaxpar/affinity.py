@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.errors import JaxparError
+from jaxpar.parallel.tensor import DELAYED
 
 METHODS = ("affinity", "random", "identity")
 _SHAPE_KEYS = ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp")
@@ -204,7 +205,7 @@ def load(path: str, model: str, cfg, *, serving: bool = False, layout=None) -> P
 def _check_layout(permutation: Permutation, path: str, layout) -> None:
     """Refuse a permutation that would change nothing (no delay: every placement computes the same
     function) or that splits the units for another tensor degree than ``layout``'s."""
-    delayed = () if layout is None else layout.delay_axes
+    delayed = () if layout is None else layout.role(DELAYED)
     if not delayed:
         raise JaxparError(f"the permutation file {path!r} places heads and MLP columns for delayed TP; served without delay=1 "
                           f"every placement computes the same function, so it would change nothing: add delay=1 to the "

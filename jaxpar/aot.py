@@ -20,7 +20,8 @@ from jaxpar.attention import check_platform
 from jaxpar.errors import JaxparError, JobFailed
 from jaxpar.mesh import dcn_misplaced, divisors, split_ici_dcn
 from jaxpar.models import llama, model_and_loss, model_family
-from jaxpar.parallel import build_layout, context, parse_strategy, schedules
+from jaxpar import parallel
+from jaxpar.parallel import build_layout, parse_strategy, schedules
 from jaxpar.topology import Topology
 from jaxpar.run import (
     RunConfig, check_at_least, check_block_degree, check_fits_fully_sharded, check_model_axes, check_unused_options, check_writable,
@@ -166,7 +167,7 @@ def _checked_plan(model, topology: Topology, strategy_text: str, batch_size: int
     check_model_axes(strategy, name)
     check_block_degree(strategy, model_cfg, seq_len)
     check_unused_options(RunConfig(train=cfg, explicit=explicit), strategy)
-    context.check_attention(cfg.attention, tuple(a for a in context.attention_axes(strategy)[0] if strategy.degrees[a] > 1))
+    parallel.check_run(strategy, cfg)
     return model_cfg, strategy
 
 
@@ -175,10 +176,10 @@ def _attention_for(asked: str, target: Target, seq_len: int, strategy, layout) -
     (this host's backend, the CPU, would choose blockwise), so the compiled memory is the pod's;
     lengths splash cannot tile take blockwise, and so do block parallelism (its mask is evaluated
     at each device's token places, which splash cannot) and the context ring (blockwise on each
-    pair of chunks: parallel/context.py)."""
+    pair of chunks): the strategies' ``attention_kernel``."""
     if asked != "auto":
         return asked
-    splash = target.compiler == "tpu" and seq_len % 128 == 0 and strategy.block_ranks == 1 and not layout.ring_axes
+    splash = target.compiler == "tpu" and seq_len % 128 == 0 and parallel.attention_kernel(layout) is None
     return "splash" if splash else "blockwise"
 
 

@@ -405,28 +405,28 @@ def attention(q, k, v, mask: Mask | None = None, *, implementation: str | None =
 
     Inside jaxpar's manual step with the sequence split over ``context`` (context parallelism),
     q, k, v and the segment ids are this device's positions of the sequence and the attention runs
-    across devices (``collectives/context_attention.py``)."""
+    across devices (``parallel/context/split_attention.py``)."""
     _called("attention")
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mask = BIDIRECTIONAL if mask is None else mask
     implementation = _IMPLEMENTATION.get() if implementation is None else implementation
     _check(q, k, v, mask)
     active = _ACTIVE.get()
-    if active is not None and active.manual and (active.layout.ring_axes or active.layout.a2a_axes):
+    if active is not None and active.manual and _SPLIT_SEQUENCE and _SPLIT_SEQUENCE["splits"](active.layout):
         return _SPLIT_SEQUENCE["attention"](q, k, v, mask, active.layout, implementation, block_q, block_kv, interpret)
     return _whole(q, k, v, mask, implementation, block_q, block_kv, interpret)
 
 
 # the attention of a sequence split over devices, which context parallelism's runtime
-# (``collectives/context_attention.py``, built from this module's chunk pieces) registers when its
-# strategy is imported (``parallel/context.py``): this module stays below both
+# (``parallel/context/split_attention.py``, built from this module's chunk pieces) registers when its
+# strategy is imported (``parallel/context/__init__.py``): this module stays below both
 _SPLIT_SEQUENCE: dict = {}
 
 
-def register_split_sequence(fn):
+def register_split_sequence(fn, splits):
     """Make ``fn(q, k, v, mask, layout, implementation, block_q, block_kv, interpret)`` the
-    attention run where the active layout splits the sequence over devices."""
-    _SPLIT_SEQUENCE["attention"] = fn
+    attention run where ``splits(layout)``: the active layout splits the sequence over devices."""
+    _SPLIT_SEQUENCE.update(attention=fn, splits=splits)
 
 
 def _whole(q, k, v, mask: Mask, implementation: str, block_q: int, block_kv: int, interpret: bool):

@@ -12,7 +12,12 @@ path instead (``train/gspmd.py``), where XLA places the collectives.
 - ``embed_lookup``, ``cross_entropy``: vocab-parallel embedding and next-token loss;
 - ``start_delayed``, ``residual_add``, ``finish_delayed``: the residual stream's adds, where
   delayed tensor parallelism (``delay=1``, ``parallel/delayed.py``) reads each sublayer's sum one
-  sublayer late.
+  sublayer late;
+- ``block_share(batch, block_size)``: a block diffusion loss's share of a batch under block
+  parallelism (its runtime: ``parallel/block/blocks.py``).
+
+The runtimes of the strategies these calls drive (collective matmul's rings, block sharing) live
+in their strategies' folders under ``parallel/``.
 
 Per-layer gathers and remat need no call: the step does them (``rules.gather_layers_when_read``,
 ``train/remat.py``).
@@ -26,9 +31,13 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpar.collectives import collective_matmul
 from jaxpar.errors import LayoutError
+from jaxpar.parallel.block import blocks
+from jaxpar.parallel.overlap import OVERLAPPED, collective_matmul
+from jaxpar.parallel.tensor import DELAYED
 from jaxpar.rules import _ACTIVE, _CALLS, Layout, Names, _called, stored_table, vary_over, varying_axes
+
+block_share = blocks.share  # a block diffusion loss's share of a batch (block parallelism's runtime)
 
 
 def _check_rank(x, names):
@@ -74,7 +83,7 @@ def enter_block(x, src: Names, dst: Names, then=None):
     ring = None
     for dim, (s, d) in enumerate(zip(src, dst)):
         lost = tuple(a for a in layout.axes_of(s) if a not in layout.axes_of(d))
-        if lost and lost == layout.overlap_axes[:1] and ring is None:
+        if lost and lost == layout.role(OVERLAPPED)[:1] and ring is None:
             ring = (lost[0], dim)  # gathered by the ring, under then's matmuls
         elif lost:
             x = jax.lax.all_gather(x, lost, axis=dim, tiled=True)
@@ -89,7 +98,7 @@ def _refuse_unfinished_sum(x, names: Names, layout: Layout, where: str):
     axis that nobody finished (a row-parallel matmul output without ``reduce_partial``): its shards
     are partial sums, and a later sum over the same axis (a vocab-parallel loss) would hide it."""
     # (under delayed TP the residual stream differs across the delayed axes on purpose)
-    model_axes = {a for name in layout.compute if name != "batch" for a in layout.axes_of(name)} - set(layout.delay_axes)
+    model_axes = {a for name in layout.compute if name != "batch" for a in layout.axes_of(name)} - set(layout.role(DELAYED))
     split = {a for name in names for a in layout.axes_of(name)}
     unfinished = sorted((varying_axes(x) & model_axes) - split)
     if unfinished:
@@ -146,7 +155,7 @@ def reduce_partial(x, contracted: Sequence[str], dst: Names, project=None):
     pending = [a for name in contracted for a in layout.axes_of(name)]
     for dim, name in enumerate(dst):
         scatter = tuple(a for a in layout.axes_of(name) if a in pending)
-        if scatter and scatter == layout.overlap_axes[:1] and project is not None:
+        if scatter and scatter == layout.role(OVERLAPPED)[:1] and project is not None:
             x, project = collective_matmul.project_then_scatter(x, project, scatter[0], dim), None
         elif scatter:
             x = jax.lax.psum_scatter(x if project is None else project(x), scatter, scatter_dimension=dim, tiled=True)
@@ -163,11 +172,11 @@ def _delay_axes(call: str) -> tuple[str, ...]:
     layout = _manual_layout(call)
     active = _ACTIVE.get()
     probing = _CALLS.get() is not None  # the trainer's trace that only records which calls a model makes
-    if layout is None and active is not None and active.layout.delay_axes and not probing:
+    if layout is None and active is not None and active.layout.role(DELAYED) and not probing:
         raise LayoutError("the layout delays tensor parallelism's sums (delay=1), which only jaxpar's manual step "
                           "(shard_map) can run: each device keeps a residual stream of its own. Run the model through "
                           "jaxpar's Trainer or serving Decoder, or drop delay=1")
-    return () if layout is None else layout.delay_axes
+    return () if layout is None else layout.role(DELAYED)
 
 
 def start_delayed(x, names: Names):

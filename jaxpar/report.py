@@ -9,19 +9,41 @@ analytic optimum. ``jaxpar train`` and ``jaxpar bench`` report both.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import numpy as np
 
 from jaxpar.analysis import hlo, memory, traffic
-from jaxpar.attention import CAUSAL
-from jaxpar.collectives import block_parallel, context_attention
+from jaxpar.parallel import STRATEGIES
 from jaxpar.run import interruption_message
 from jaxpar.train.step import nonfinite_message
+
+
+@dataclasses.dataclass
+class Measured:
+    """What a strategy's report section reads off the compiled step (``base.report``): the
+    ``communication`` field, the model's sequence ``length``, and, read on first use, the step's
+    ``collectives`` and its layer loops' ``blocking`` collectives (``analysis/hlo.py``)."""
+
+    hlo_text: str
+    mesh: object
+    communication: dict
+    length: int
+
+    @functools.cached_property
+    def collectives(self) -> list:
+        return hlo.collectives(self.hlo_text, self.mesh)
+
+    @functools.cached_property
+    def blocking(self) -> list:
+        return hlo.blocking_collectives(self.hlo_text)
 
 
 def step_report(trainer, compiled, strategy, cfg, batch_shape: tuple[int, int]) -> dict:
     """The report's ``memory`` and ``communication`` fields for a run's compiled step: bytes per
     device measured and from the ZeRO table, and collectives per step against the optimum
-    (``run_training``'s ``analyze``)."""
+    (``run_training``'s ``analyze``), and each strategy's own section."""
     report = {
         "memory": {
             "measured_bytes_per_device": memory.measured_memory(trainer, compiled),
@@ -30,67 +52,12 @@ def step_report(trainer, compiled, strategy, cfg, batch_shape: tuple[int, int]) 
         },
         "communication": traffic.compare(compiled.as_text(), trainer, strategy, batch_shape, cfg),
     }
-    layout = trainer.layout
-    if layout.block_axes:
-        cols = hlo.collectives(compiled.as_text(), layout.mesh)
-        report["block"] = block_report(layout, cols, report["communication"], batch_shape[1], cfg)
-    elif layout.ring_axes or layout.a2a_axes:
-        report["context"] = context_report(layout, report["communication"], batch_shape[1], cfg)
-    if layout.axes_of("heads"):
-        section = tensor_report(layout, compiled.as_text(), cfg)
+    measured = Measured(compiled.as_text(), trainer.layout.mesh, report["communication"], batch_shape[1])
+    for module in STRATEGIES:
+        section = module.report(trainer.layout, measured, cfg)
         if section is not None:
-            report["tensor"] = section
+            report[module.name] = section
     return report
-
-
-def tensor_report(layout, hlo_text: str, cfg) -> dict:
-    """Tensor parallelism's part of the report: per layer of the forward pass, the all-reduces
-    over the tensor axes and how many of them are blocking (no matmul can run while one is in
-    flight: ``hlo.blocking_collectives``); Megatron TP has 2, delayed TP (``delay=1``) 0. None where
-    the program has no loop over all the layers (a pipeline's stages each run a part)."""
-    forward = [loop for loop in hlo.blocking_collectives(hlo_text)
-               if "transpose" not in loop["op_name"] and loop["trips"] == cfg.layers]
-    if not forward:  # no loop over the layers (a pipeline splits them): no count rather than a wrong 0
-        return None
-    return {"delayed": bool(layout.delay_axes), "axes": list(layout.axes_of("heads")),
-            "all_reduces_per_layer": max((loop["collectives"] for loop in forward), default=0),
-            "blocking_per_layer": max((loop["blocking"] for loop in forward), default=0)}
-
-
-def block_report(layout, cols, communication: dict, length: int, cfg) -> dict:
-    """Block parallelism's part of the report (``cols``: the step's collectives; ``length``: the
-    model's 2L): the clean keys and values the context ring carries per layer against the formula,
-    the bytes of every other collective over the block axes but the gradient all-reduce (noisy keys
-    and values never travel: 0), and each device's attention work."""
-    size = lambda axes: int(np.prod([layout.mesh.shape[a] for a in axes]))  # noqa: E731
-    ranks, ring = size(layout.block_axes), size(layout.ring_axes)
-    moved = "all-to-all" if layout.diffusion_fetch else "collective-permute"  # the fetch, or the ring
-    clean = communication.get(moved, {"measured_bytes": 0.0, "optimal_bytes": 0.0})
-    clean_ring = (moved, tuple(layout.ring_axes))
-    others = sum(c.bytes_per_step for c in cols if set(c.mesh_axes) & set(layout.block_axes)
-                 and c.kind != "all-reduce" and (c.kind, c.mesh_axes) != clean_ring)
-    work = block_parallel.attention_work(length // 2, cfg.block_size, ranks, ring, cfg.window, layout.diffusion_fetch)
-    return {"ranks": ranks, "ring": ring, "noisy_blocks_per_device": length // 2 // cfg.block_size // ranks,
-            "clean_kv": "fetched in one all-to-all" if layout.diffusion_fetch else "on the ring",
-            "clean_kv_per_layer": {"measured_bytes": clean["measured_bytes"] / cfg.layers,
-                                   "formula_bytes": clean["optimal_bytes"] / cfg.layers},
-            "other_bytes_over_block_axes": others, "attention_work_per_device": work.tolist(),
-            "imbalance": float(work.max() / work.mean())}
-
-
-def context_report(layout, communication: dict, length: int, cfg) -> dict:
-    """Context parallelism's part of the report: ring and all-to-all bytes per layer against
-    their formulas, and each device's causal attention work (query-key pairs per head and row,
-    whole kernel blocks) with the zigzag, next to a contiguous split's."""
-    size = lambda axes: int(np.prod([layout.mesh.shape[a] for a in axes]))  # noqa: E731
-    ring, a2a = size(layout.ring_axes), size(layout.a2a_axes)
-    per_layer = {kind: {"measured_bytes": communication[kind]["measured_bytes"] / cfg.layers,
-                        "formula_bytes": communication[kind]["optimal_bytes"] / cfg.layers}
-                 for kind in ("collective-permute", "all-to-all") if kind in communication}
-    work = context_attention.rank_work(CAUSAL, length, ring, a2a)
-    contiguous = context_attention.rank_work(CAUSAL, length, ring, a2a, zigzag=False)
-    return {"ring": ring, "a2a": a2a, "per_layer": per_layer, "attention_work_per_device": work.tolist(),
-            "imbalance": float(work.max() / work.mean()), "contiguous_imbalance": float(contiguous.max() / contiguous.mean())}
 
 
 def format_summary(report: dict) -> str:
@@ -152,26 +119,7 @@ def format_summary(report: dict) -> str:
         lines.append(f"    {name:32s} x{row['count']:<5d} {row['bytes_per_device']:14,.0f}")
     if "note" in comm:
         lines.append(f"  ({comm['note']})")
-    if "context" in report:
-        ctx = report["context"]
-        parts = [f"{name} over {ctx[key]} devices" for name, key in (("ring", "ring"), ("all-to-all", "a2a")) if ctx[key] > 1]
-        lines += ["", f"context parallelism: {' and '.join(parts)}; per layer and device"]
-        for kind, row in ctx["per_layer"].items():
-            lines.append(f"  {kind:22s} {row['measured_bytes']:14,.0f} bytes   formula {row['formula_bytes']:14,.0f}")
-        lines.append(f"  causal attention work per device, max / mean: {ctx['imbalance']:.3f} with the zigzag "
-                     f"({ctx['contiguous_imbalance']:.3f} for contiguous chunks)")
-    if "tensor" in report:
-        tp = report["tensor"]
-        how = "delayed (delay=1): each sublayer's sum read one sublayer later" if tp["delayed"] else "Megatron"
-        lines += ["", f"tensor parallelism over {'/'.join(tp['axes'])}, {how}",
-                  f"  per layer, forward: {tp['all_reduces_per_layer']} all-reduces, {tp['blocking_per_layer']} of them blocking "
-                  f"(no matmul runs while it is in flight)"]
-    if "block" in report:
-        bp = report["block"]
-        ring = f", the clean half split over {bp['ring']} (CSBP)" if bp["ring"] > 1 else ", the clean half on every device"
-        kv = bp["clean_kv_per_layer"]
-        lines += ["", f"block parallelism: {bp['noisy_blocks_per_device']} noisy blocks per device of {bp['ranks']}{ring}; per layer and device",
-                  f"  clean K/V {bp['clean_kv']:25s} {kv['measured_bytes']:14,.0f} bytes   formula {kv['formula_bytes']:14,.0f}",
-                  f"  anything else over the block axes but the gradient all-reduce (noisy K/V stay): {bp['other_bytes_over_block_axes']:,.0f} bytes",
-                  f"  attention work per device, max / mean: {bp['imbalance']:.3f}"]
+    for module in STRATEGIES:
+        if module.name in report:
+            lines += module.summary(report[module.name])
     return "\n".join(lines)

@@ -72,20 +72,9 @@ class Layout:
     # logical axes kept whole (replicated) where a dim is shorter than its mesh axes and they are a
     # multiple of it: GQA's key/value heads under a tensor degree above their count (as Megatron does)
     replicable: frozenset[str] = frozenset()
-    # context parallelism: the mesh axes attention runs its ring over, and those it re-shards the
-    # sequence to heads over (all-to-all); the sequence (``length``) is split over both, ring major
-    context_ring: tuple[str, ...] = ()
-    context_a2a: tuple[str, ...] = ()
-    # block parallelism: the mesh axes a block diffusion model's noisy blocks are split over, and
-    # whether a device fetches the clean keys its blocks read (clean_kv=fetch) instead of a ring
-    diffusion_blocks: tuple[str, ...] = ()
-    diffusion_fetch: bool = False
-    # delayed tensor parallelism: the mesh axes whose row-parallel partial sums a sublayer adds one
-    # sublayer late (``jaxpar.nn.residual_add``); each device keeps its own copy of the residual
-    delayed: tuple[str, ...] = ()
-    # collective matmul: the mesh axes whose block-entry all-gathers and exit reduce-scatters run as
-    # rings of ppermutes under the block's matmuls (``jaxpar.nn.enter_block``'s ``then``)
-    overlapped: tuple[str, ...] = ()
+    # each strategy's roles: the mesh axes its runtime reads off the layout ({role: axes}, from the
+    # strategies' ``roles`` hook), e.g. the axes attention runs a context ring over
+    roles: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def effective_names(self, names: Names, shape) -> tuple:
         """``names`` with each replicable logical axis that its dim is too short to split replaced
@@ -107,31 +96,20 @@ class Layout:
         """Devices the batch is split over (each computes the mean loss of its own shard)."""
         return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
-    @property
-    def ring_axes(self) -> tuple[str, ...]:
-        return self._live(self.context_ring)
+    def role(self, name: str) -> tuple[str, ...]:
+        """The mesh axes (of more than one device) a strategy's runtime plays ``name`` over."""
+        return self._live(self.roles.get(name, ()))
 
     @property
-    def a2a_axes(self) -> tuple[str, ...]:
-        return self._live(self.context_a2a)
-
-    @property
-    def block_axes(self) -> tuple[str, ...]:
-        return self._live(self.diffusion_blocks)
-
-    @property
-    def delay_axes(self) -> tuple[str, ...]:
-        return self._live(self.delayed)
-
-    @property
-    def overlap_axes(self) -> tuple[str, ...]:
-        return self._live(self.overlapped)
+    def sequence_axes(self) -> tuple[str, ...]:
+        """Mesh axes the positions of a sequence are split over (not its examples)."""
+        return tuple(a for a in self.axes_of("length") if a not in self.batch_axes)
 
     @property
     def loss_axes(self) -> tuple[str, ...]:
         """Mesh axes the tokens of a batch are split over (its examples, and under context
         parallelism its positions): the loss and the gradients are summed over these."""
-        return self.batch_axes + tuple(a for a in self.axes_of("length") if a not in self.batch_axes)
+        return self.batch_axes + self.sequence_axes
 
     @property
     def loss_shards(self) -> int:

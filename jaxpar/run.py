@@ -24,12 +24,12 @@ import time
 import jax
 import numpy as np
 
-from jaxpar.collectives import block_parallel
 from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
 from jaxpar.models import CONFIGS, bd3lm, model_and_loss, model_config, model_family
 from jaxpar.parallel import Strategy, build_layout, parse_strategy
 from jaxpar.parallel import schedules
+from jaxpar.parallel.block.blocks import check_degree
 from jaxpar.topology import Topology
 from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
@@ -168,7 +168,7 @@ def check_block_degree(strategy: Strategy, cfg, seq_len: int):
     axis is P / C under CSBP). 2P blocks also split the clean half over the C ring ranks and let
     ``clean_kv=fetch`` deal them, C dividing P."""
     if strategy.block_ranks > 1:
-        block_parallel.check_degree(seq_len // cfg.block_size, strategy.block_ranks)
+        check_degree(seq_len // cfg.block_size, strategy.block_ranks)
 
 
 def check_unused_options(run: RunConfig, strategy: Strategy):

@@ -18,7 +18,7 @@ import pytest
 
 from jaxpar import attention as A
 from jaxpar.analysis import hlo
-from jaxpar.collectives import block_parallel
+from jaxpar.parallel.block import blocks as block_parallel
 from jaxpar.errors import JaxparError, LayoutError, SpecError
 from jaxpar.models import bd3lm, llama
 from jaxpar.parallel import build_layout, parse_strategy

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis import hlo
-from jaxpar.collectives import collective_matmul
+from jaxpar.parallel.overlap import collective_matmul
 from jaxpar.errors import SpecError
 from jaxpar.models import llama
 from jaxpar.nn import enter_block, reduce_partial

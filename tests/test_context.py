@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import attention as A
 from jaxpar.analysis import hlo
-from jaxpar.collectives import context_attention
+from jaxpar.parallel.context import split_attention as context_attention
 from jaxpar.errors import LayoutError, SpecError
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
@@ -90,7 +90,7 @@ def _op_on_layout(strategy, mask_of, q, k, v, segments):
     """The op on a layout's positions (the batch's sequence permuted as the step does), mapped
     back to the natural order: (output, gradients of a weighted sum)."""
     layout = build_layout(parse_strategy(strategy, 8))
-    ring = math.prod(layout.mesh.shape[a] for a in layout.ring_axes)
+    ring = math.prod(layout.mesh.shape[a] for a in layout.role(context_attention.RING))
     order = context_attention.sequence_order(q.shape[1], ring)
     axes = layout.axes_of("length")
 

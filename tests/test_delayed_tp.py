@@ -20,7 +20,8 @@ from jaxpar.analysis import hlo
 from jaxpar.errors import JaxparError, LayoutError, SpecError
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
-from jaxpar.report import tensor_report
+from jaxpar.parallel import tensor
+from jaxpar.report import Measured
 from jaxpar.serve.llama import Decoder
 from jaxpar.train import data
 from jaxpar.train.step import Trainer
@@ -100,7 +101,8 @@ def trained(strategy, steps=3):
 
 def tensor_section(trainer):
     example = trainer.abstract_batch(BATCH, SEQ)
-    return tensor_report(trainer.layout, trainer._step.lower(trainer.abstract_state(), example).compile().as_text(), TINY)
+    text = trainer._step.lower(trainer.abstract_state(), example).compile().as_text()
+    return tensor.report(trainer.layout, Measured(text, trainer.layout.mesh, {}, SEQ), TINY)
 
 
 @pytest.mark.parametrize("strategy,shards", [("data=2,tensor=4,delay=1", 4)])

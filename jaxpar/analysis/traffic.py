@@ -17,6 +17,8 @@ from jaxpar.analysis import hlo
 from jaxpar.analysis.memory import replicated_params, stored_tables, tensor_local_params
 from jaxpar.models import bd3lm
 from jaxpar.parallel import STRATEGIES
+from jaxpar.parallel.block.blocks import BLOCKS
+from jaxpar.parallel.context.split_attention import FETCH, RING
 
 # Scalar reductions (the loss, the gradient norm for clipping) are not part of any formula.
 SCALAR_BYTES = 16
@@ -71,7 +73,7 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
         model=model_cfg, schedule=trainer.schedule, remat=cfg.remat,
         held_length=held_length(layout, batch_shape[1]),
         clean_reads=(bd3lm.block_diffusion_mask(batch_shape[1] // 2, model_cfg.block_size, model_cfg.window).blocks.allowed.clean_reads
-                     if layout.diffusion_fetch and model_cfg is not None else None),
+                     if layout.role(FETCH) and model_cfg is not None else None),
     )
 
 
@@ -80,10 +82,10 @@ def held_length(layout, length: int) -> int:
     over C devices; under block parallelism over P devices its noisy blocks and the clean half of
     [x_t ; x_0], or its 1/C of the clean half under CSBP (length / 2P + length / 2C)."""
     split = math.prod(layout.mesh.shape[a] for a in layout.axes_of("length") if a not in layout.batch_axes)
-    ranks = math.prod(layout.mesh.shape[a] for a in layout.block_axes)
+    ranks = math.prod(layout.mesh.shape[a] for a in layout.role(BLOCKS))
     if ranks == 1:
         return length // split
-    ring = math.prod(layout.mesh.shape[a] for a in layout.ring_axes)
+    ring = math.prod(layout.mesh.shape[a] for a in layout.role(RING))
     return length // 2 // ranks + length // 2 // ring
 
 

@@ -47,11 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.attention import BlockMask, Mask
-from jaxpar.collectives import block_parallel
 from jaxpar.errors import JaxparError
 from jaxpar.models import llama
 from jaxpar.models.llama import LOGITS, LlamaConfig
-from jaxpar.nn import cross_entropy, shard_count, shard_offset
+from jaxpar.nn import block_share, cross_entropy, shard_count, shard_offset
 
 # The noise range. The lower end bounds the loss weight 1/t (at most 10) and with it the loss's
 # variance: if every masked token cost the same c, a block of B tokens at t ~ U[a, b] would have
@@ -242,10 +241,10 @@ class BD3LM(llama.Llama):
     """The Llama network (the same weights and logical names) run on [x_t ; x_0] under the
     three-part mask; logits over ``vocab_size`` ids, of which only the data's can be predicted."""
 
-    def __call__(self, tokens, positions=None, block_size: int | None = None, share: block_parallel.Share | None = None):
+    def __call__(self, tokens, positions=None, block_size: int | None = None, share=None):
         """Logits (batch, 2L, vocab) for int tokens (batch, 2L) = [x_t ; x_0]; ``positions``
         default ``positions_for(L)``; ``block_size`` default the config's. Under block parallelism
-        ``share`` says which tokens of [x_t ; x_0] this device holds (``block_parallel.share``):
+        ``share`` says which tokens of [x_t ; x_0] this device holds (``jaxpar.nn.block_share``):
         ``tokens`` and ``positions`` are those, and so are the logits."""
         block_size = self.cfg.block_size if block_size is None else block_size
         if share is not None:
@@ -280,9 +279,9 @@ def loss_fn(model: BD3LM, batch: dict, block_size: int | None = None):
     ``targets``, ``positions``, ``weights``, each (batch, 2L)): the 1/t-weighted cross-entropy of
     the masked noisy tokens, mean over the batch's noisy positions. ``block_size`` must be the
     batch's (default: the model config's). Under block parallelism each device computes the
-    objective's part on its share of the rows (``collectives/block_parallel.py``)."""
+    objective's part on its share of the rows (``parallel/block/blocks.py``)."""
     block_size = model.cfg.block_size if block_size is None else block_size
-    batch, share = block_parallel.share(batch, block_size)
+    batch, share = block_share(batch, block_size)
     logits = model(batch["inputs"], batch["positions"], block_size, share)
     loss = cross_entropy(logits, batch["targets"], LOGITS, batch["weights"])
     return loss if share is None else loss * share.loss_scale

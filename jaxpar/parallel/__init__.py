@@ -14,22 +14,18 @@ A strategy string names mesh-axis degrees and options, e.g.::
     "fsdp=2,block=4"               FSDP x block parallelism (a block diffusion model's noisy blocks over 4)
     "tp_x=2,tp_y=2,fsdp=2"         AxoNN's 4D TP: embed over tp_x, heads/mlp/vocab over tp_y, Z = fsdp
 
-Each strategy is one module of this package and holds everything it is:
+Each strategy is one module of this package, or one folder with its runtime beside it
+(``context/``, ``block/``), and holds everything it is: the hooks of ``base.py``, each with a
+no-op default there. ``build_layout``, the trainer, batch placement, the report and the compile
+options call every strategy's hooks in turn (``STRATEGIES`` order is the mesh's, outermost first);
+the stored mappings start from the compute mapping of every weight axis, so a strategy's ``rules``
+adds to ``stored`` only what is stored split more than it is computed, and the gradient reductions
+follow from these (``train/reductions.py``). A new strategy is one new module (or folder) and one
+line below.
 
-- ``AXES``: the mesh axes it owns (``STRATEGIES`` order is the mesh's, outermost first), and
-  ``CROSSES_DCN``: whether they may span the slow links between slices or nodes;
-- ``OPTIONS``: ``{key: (parse(key, text), default)}``, the options it reads from the string;
-  ``reshape(degrees, options)`` where its options re-split the degrees (hierarchical ZeRO);
-- ``check(strategy)``: refuse degrees and options that cannot work, before any device is used;
-- ``rules(strategy, compute, stored)``: its part of the mappings (the stored mappings start from
-  the compute mapping of every weight axis, so a strategy adds to ``stored`` only what is stored
-  split more than it is computed); the gradient reductions follow from these (``train/reductions.py``);
-- ``traffic(strategy, ctx)``: its analytic optimum, ``{(collective kind, mesh axis): bytes}`` per
-  device per step (``analysis/traffic.py`` gives ``ctx``);
-- ``memory(strategy, mesh_shape)``: ``{state kind: ways it is split}`` for the ZeRO table.
-
-``build_layout``, the trainer and the analysis iterate over ``STRATEGIES``: a new strategy is one
-new module and one line below.
+Strategies that are options of another say so in their module: ``sequence`` (``sp=on``),
+``overlap`` (``tp_overlap=on``) and ``delayed`` (``delay=1``) of ``tensor``; ``hierarchical_zero``
+(``param_shards=``) of ``fsdp``.
 """
 
 from __future__ import annotations
@@ -40,9 +36,11 @@ import warnings
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import SpecError
 from jaxpar.parallel import axonn, block, context, data, delayed, expert, fsdp, hierarchical_zero, overlap, sequence, stage, tensor
+from jaxpar.parallel.base import hooks
 from jaxpar.rules import LOGICAL_AXES, Layout
 
-STRATEGIES = (stage, data, hierarchical_zero, fsdp, expert, block, context, axonn, tensor, sequence, delayed, overlap)
+STRATEGIES = tuple(hooks(module) for module in (
+    stage, data, hierarchical_zero, fsdp, expert, block, context, axonn, tensor, sequence, delayed, overlap))
 OPTIONS = {key: (module, *parse) for module in STRATEGIES for key, parse in module.OPTIONS.items()}
 AXES = tuple(a for module in STRATEGIES for a in module.AXES)  # the mesh's axes, outermost (slowest links) first
 DCN_AXES = frozenset(a for module in STRATEGIES if module.CROSSES_DCN for a in module.AXES)  # may cross slices
@@ -74,6 +72,12 @@ class Strategy:
         """True / False as given; None for auto (the trainer chooses by memory)."""
         return self.options["regather"]
 
+    def role(self, name: str) -> tuple[str, ...]:
+        """The mesh axes (of more than one device) a strategy's runtime plays ``name`` over, as
+        ``Layout.role`` will say once the mesh exists."""
+        axes = next((axes for module in STRATEGIES if (axes := module.roles(self).get(name))), ())
+        return tuple(a for a in axes if self.degrees.get(a, 1) > 1)
+
     def __str__(self) -> str:
         return ",".join([self.written or str(self.spec)] + [f"{k}={v}" for k, v in self.given.items()])
 
@@ -93,7 +97,9 @@ def parse_strategy(text: str, num_devices: int) -> Strategy:
         else:
             axes.append(part)
     written = ",".join(axes)
-    folded = block.fold(mesh_lib.parse_degrees(written), num_devices)  # block=P,context=C: P devices in all
+    folded = mesh_lib.parse_degrees(written)
+    for module in STRATEGIES:  # block=P,context=C: P devices in all
+        folded = module.fold(folded, num_devices)
     if folded != mesh_lib.parse_degrees(written):
         spec = mesh_lib.parse_spec(folded, num_devices, AXES, DCN_AXES)
     else:
@@ -101,8 +107,7 @@ def parse_strategy(text: str, num_devices: int) -> Strategy:
     options = {key: (parse(key, given[key]) if key in given else default) for key, (_, parse, default) in OPTIONS.items()}
     degrees = spec.degrees
     for module in STRATEGIES:
-        if hasattr(module, "reshape"):
-            degrees = module.reshape(degrees, options)
+        degrees = module.reshape(degrees, options)
     shown = str(spec) if degrees != spec.degrees else ""
     # CSBP is written with block=P counting every device that owns blocks; the mesh's block axis is
     # P / C, which is 1 where P = C
@@ -144,10 +149,36 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
             warnings.simplefilter("ignore")
             _, dcn = mesh_lib.split_ici_dcn(strategy.spec, num_slices)
         dcn_axes = tuple(a for a, d in dcn.items() if d > 1)
-    ring, a2a = context.attention_axes(strategy)
+    roles = {role: axes for module in STRATEGIES for role, axes in module.roles(strategy).items()}
     return Layout(
         mesh, compute, stored["param"], stored["optimizer"], stored["grad"], regather=strategy.regather, dcn_axes=dcn_axes,
-        replicable=tensor.REPLICABLE, context_ring=ring, context_a2a=a2a, diffusion_blocks=block.diffusion_axes(strategy),
-        diffusion_fetch=strategy.options["clean_kv"] == "fetch", delayed=delayed.delayed_axes(strategy),
-        overlapped=overlap.overlapped_axes(strategy),
+        replicable=frozenset().union(*(module.REPLICABLE for module in STRATEGIES)), roles=roles,
     )
+
+
+def check_run(planned, cfg) -> None:
+    """Every strategy's refusals of a ``TrainConfig`` (``planned``: the Layout, or the Strategy
+    before any mesh exists: both answer ``role``)."""
+    for module in STRATEGIES:
+        module.check_run(planned, cfg)
+
+
+def compiler_options(layout: Layout | None) -> dict | None:
+    """``jax.jit``'s compiler_options for a program under ``layout``: every strategy's (None: none)."""
+    options = {} if layout is None else {k: v for module in STRATEGIES for k, v in module.compiler_options(layout).items()}
+    return options or None
+
+
+def attention_kernel(layout: Layout) -> str | None:
+    """The attention kernel a strategy of ``layout`` runs whatever a run asks (None: the run's choice)."""
+    return next((kernel for module in STRATEGIES if (kernel := module.attention_kernel(layout))), None)
+
+
+def runtime_axes(layout: Layout) -> tuple[str, ...]:
+    """Mesh axes the strategies' own runtimes finish the sums over (the context ring...)."""
+    return tuple(a for module in STRATEGIES for a in module.runtime_axes(layout))
+
+
+def comparable(layout: Layout) -> str | None:
+    """Why one device is not ``layout``'s oracle, in words (None: it is)."""
+    return next((why for module in STRATEGIES if (why := module.comparable(layout))), None)

@@ -19,8 +19,9 @@ report counts the collectives nothing can compute under (``analysis.hlo.blocking
 2 per layer under TP, 0 under DTP.
 """
 
-from jaxpar.errors import SpecError
+from jaxpar.errors import LayoutError, SpecError
 from jaxpar.parallel import data, tensor
+from jaxpar.parallel.tensor import DELAYED
 
 AXES: tuple[str, ...] = ()  # it delays the sums over tensor's axis
 CROSSES_DCN = False
@@ -52,9 +53,33 @@ def check(strategy):
                         f"pipeline's stage boundaries; serve or train DTP without a pipeline")
 
 
-def delayed_axes(strategy) -> tuple[str, ...]:
-    """Mesh axes whose row-parallel partial sums are read one sublayer late."""
-    return ("tensor",) if strategy.options["delay"] else ()
+def roles(strategy) -> dict[str, tuple[str, ...]]:
+    return {DELAYED: ("tensor",) if strategy.options["delay"] else ()}
+
+
+def check_calls(layout, calls):
+    if layout.role(DELAYED) and "residual_add" not in calls:
+        made = sorted(set(calls))
+        raise LayoutError(
+            f"the layout delays tensor parallelism's sums (delay=1), but the model never adds a sublayer to its residual "
+            f"stream with jaxpar.nn.residual_add ({'it calls ' + ', '.join(made) if made else 'it makes no jaxpar call'}): "
+            f"it would train as plain TP. Carry the residual stream with jaxpar.nn.start_delayed, residual_add and "
+            f"finish_delayed (as jaxpar.models.llama does), or drop delay=1")
+
+
+def comparable(layout) -> str | None:
+    """Delayed TP adds each sublayer's sum one sublayer late: another function than one device's by
+    design (its oracle is a single-device simulation of the delayed algorithm, as
+    tests/test_delayed_tp.py writes it), so against one device every weight differs."""
+    if not layout.role(DELAYED):
+        return None
+    return ("delay=1 computes another function than one device (each sublayer reads the others' sums one "
+            "sublayer late), so comparing it with one device says nothing; check the same strategy with "
+            "delay=0, which checks the layout's splits and sums")
+
+
+def runtime_axes(layout) -> tuple[str, ...]:
+    return layout.role(DELAYED)
 
 
 # XLA merges all-reduces that do not depend on each other into one (CPU, GPU and TPU each have such a
@@ -65,9 +90,8 @@ def delayed_axes(strategy) -> tuple[str, ...]:
 _COMBINERS = "all-reduce-combiner,cpu-all-reduce-combiner,gpu-all-reduce-combiner"
 
 
-def compiler_options(layout) -> dict | None:
-    """``jax.jit``'s compiler_options for a program under ``layout``: None unless it delays sums."""
-    return {"xla_disable_hlo_passes": _COMBINERS} if layout is not None and layout.delay_axes else None
+def compiler_options(layout) -> dict:
+    return {"xla_disable_hlo_passes": _COMBINERS} if layout.role(DELAYED) else {}
 
 
 def rules(strategy, compute: dict, stored: dict):
@@ -85,6 +109,3 @@ def traffic(strategy, ctx) -> dict:
     zeros = 2 * data.grad_allreduce_bytes(tensor.activation_bytes(ctx), t)
     return {("all-reduce", "tensor"): zeros + data.grad_allreduce_bytes(norms, t)}
 
-
-def memory(strategy, mesh) -> dict:
-    return {}

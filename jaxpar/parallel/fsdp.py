@@ -83,6 +83,10 @@ def choose_regather(kept_bytes: float, state_bytes: float, memory_bytes: float |
     return False, f"{kept}, at most {KEEP_AT_MOST:.0%} of {size_text(memory_bytes)}: kept (one weight pass less traffic)"
 
 
+def manual_only(layout, calls) -> str | None:
+    return "regather=on" if layout.regather is True else None  # only the manual step gathers again
+
+
 def check(strategy):
     f = strategy.degrees["fsdp"]
     for key in ("zero", "regather"):

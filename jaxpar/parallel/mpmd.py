@@ -138,7 +138,7 @@ class MPMDPipeline:
             raise ScheduleError(f"schedule {schedule.name!r} is for {schedule.stages} stages but {len(layouts)} stage "
                                 f"layouts were given; give one layout per stage")
         check_disjoint(layouts)
-        split = [i for i, layout in enumerate(layouts) if layout.ring_axes or layout.a2a_axes]
+        split = [i for i, layout in enumerate(layouts) if layout.sequence_axes]
         if split:  # the stages' programs do not cut each device's positions out of the batch
             raise LayoutError(f"stage layout {split[0]} splits the sequence (context > 1), which MPMD pipelines do not do yet; "
                               f"use context parallelism in an SPMD pipeline (Trainer with stage=N, context_algorithm=all-to-all)")

@@ -510,7 +510,7 @@ def _all_manual_program(layout, names, program, model, schedule):
     """``pipeline_value_and_grad``'s shard_map when every axis is manual (``layout=``)."""
     if names is None:
         raise LayoutError("pipeline_value_and_grad(layout=...) needs names=(stage weight names, edge weight names)")
-    if layout.ring_axes or layout.a2a_axes:  # the batch is not cut into each device's positions here
+    if layout.sequence_axes:  # the batch is not cut into each device's positions here
         raise LayoutError("pipeline_value_and_grad(layout=...) does not split the sequence (context > 1); "
                           "train such a layout with Trainer, which does")
     stage_names, edge_names = names

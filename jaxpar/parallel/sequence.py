@@ -29,9 +29,8 @@ def rules(strategy, compute: dict, stored: dict):
         compute[LOGICAL_AXIS] = compute[LOGICAL_AXIS] + ("tensor",)
 
 
-def traffic(strategy, ctx) -> dict:
-    return {}
-
-
-def memory(strategy, mesh) -> dict:
-    return {}
+def manual_only(layout, calls) -> str | None:
+    # the GSPMD path reaches the sequence split only through the model's own jaxpar.nn.constrain calls
+    if "tensor" in layout.axes_of(LOGICAL_AXIS) and "constrain" not in calls:
+        return "sequence parallelism (sp=on)"
+    return None

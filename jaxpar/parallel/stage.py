@@ -17,6 +17,10 @@ CROSSES_DCN = True
 OPTIONS: dict = {}
 
 
+def manual_only(layout, calls) -> str | None:
+    return "a pipeline (stage > 1)" if dict(layout.mesh.shape).get("stage", 1) > 1 else None
+
+
 def check(strategy):
     """The schedule and the micro-batches are checked when the trainer is built."""
 

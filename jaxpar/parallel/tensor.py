@@ -18,6 +18,9 @@ LOGICAL_AXES = ("heads", "kv_heads", "mlp", "vocab")
 # dims kept whole where they are shorter than the tensor degree (GQA's key/value heads; see rules.Layout)
 REPLICABLE = frozenset({"kv_heads"})
 OPTIONS: dict = {}
+# the layout's role (``Layout.role``) under delayed TP (``delayed.py``): the mesh axes whose
+# row-parallel partial sums a sublayer adds one sublayer late (``jaxpar.nn.residual_add``)
+DELAYED = "delayed_sums"
 
 
 def check(strategy):
@@ -69,3 +72,25 @@ def activation_bytes(ctx) -> float:
 
 def memory(strategy, mesh) -> dict:
     return {}  # the split is in the per-device weight count (ctx.psi): TP divides what it shards
+
+
+def report(layout, measured, cfg) -> dict | None:
+    """Per layer of the forward pass, the all-reduces over the tensor axes and how many of them are
+    blocking (no matmul can run while one is in flight: ``measured.blocking``); Megatron TP has 2,
+    delayed TP (``delay=1``) 0. None where the program has no loop over all the layers (a
+    pipeline's stages each run a part): no count rather than a wrong 0."""
+    if not layout.axes_of("heads"):
+        return None
+    forward = [loop for loop in measured.blocking if "transpose" not in loop["op_name"] and loop["trips"] == cfg.layers]
+    if not forward:
+        return None
+    return {"delayed": bool(layout.role(DELAYED)), "axes": list(layout.axes_of("heads")),
+            "all_reduces_per_layer": max((loop["collectives"] for loop in forward), default=0),
+            "blocking_per_layer": max((loop["blocking"] for loop in forward), default=0)}
+
+
+def summary(tp: dict) -> list[str]:
+    how = "delayed (delay=1): each sublayer's sum read one sublayer later" if tp["delayed"] else "Megatron"
+    return ["", f"tensor parallelism over {'/'.join(tp['axes'])}, {how}",
+            f"  per layer, forward: {tp['all_reduces_per_layer']} all-reduces, {tp['blocking_per_layer']} of them blocking "
+            f"(no matmul runs while it is in flight)"]

@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxpar.errors import JaxparError
 from jaxpar.models import model_and_loss, model_config, model_family
-from jaxpar.parallel import delayed
+from jaxpar.parallel import compiler_options
 from jaxpar.rules import Layout, logical_names, use_layout
 from jaxpar.train import checkpoint as checkpoint_lib
 from jaxpar.train.state import abstract_model
@@ -97,7 +97,7 @@ class Served:
             if self.manual:
                 fn = self._in_shard_map(fn, *self._specs(name))
             self._programs[key] = jax.jit(fn, donate_argnums=self.DONATES.get(name, ()),
-                                          compiler_options=delayed.compiler_options(self.layout))
+                                          compiler_options=compiler_options(self.layout))
         return self._programs[key]
 
     def _specs(self, name: str):

@@ -48,6 +48,7 @@ from jaxpar.attention import DEFAULT_BLOCK
 from jaxpar.errors import JaxparError
 from jaxpar.models.llama import LOGITS, LlamaConfig
 from jaxpar.nn import shard_offset
+from jaxpar.parallel.tensor import DELAYED
 from jaxpar.rules import Layout, use_layout
 from jaxpar.serve.common import (BYTE_VOCAB, Generated, Served, check_pick, decode_tokens, encode_text, is_int, pad_rows, pick,
                                  restore_model)
@@ -82,7 +83,7 @@ class Decoder(Served):
             raise JaxparError(f"the decoder generates from a Llama (models.llama.Llama); got a {type(model).__name__} with a "
                               f"{type(cfg).__name__} (block diffusion models have their own sampler: jaxpar.serve.bd3lm)")
         self.cfg = cfg
-        self.manual = layout is not None and bool(layout.delay_axes)
+        self.manual = layout is not None and bool(layout.role(DELAYED))
         if self.manual:
             for name, count in (("kv_heads", cfg.kv_heads), ("heads", cfg.heads)):
                 ways = math.prod(layout.mesh.shape[a] for a in layout.axes_of(name))
@@ -243,7 +244,7 @@ def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_to
 def _warn_of_delay(meta: dict, layout: Layout | None, permutation: str | None) -> None:
     """Say so when the model served is not the function trained: delayed TP (``delay=1``) on one
     side only, or a DTP model's units moved by a permutation."""
-    trained, served = "delay=1" in meta["strategy"].split(","), bool(layout is not None and layout.delay_axes)
+    trained, served = "delay=1" in meta["strategy"].split(","), bool(layout is not None and layout.role(DELAYED))
     if trained and permutation is not None:
         warnings.warn(f"checkpoint of {meta['model']} was trained under {meta['strategy']!r} with its heads and MLP "
                       f"columns where they are: the permutation changes what each device sees late, so the model served "

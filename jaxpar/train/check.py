@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxpar import parallel
 from jaxpar.errors import JaxparError
 from jaxpar.rules import Layout
 
@@ -89,10 +90,9 @@ def check_comparable(layout: Layout):
     """Refuse a layout that computes another function than one device by design: delayed TP adds
     each sublayer's sum one sublayer late (its oracle is a single-device simulation of the delayed
     algorithm, as tests/test_delayed_tp.py writes it), so against one device every weight differs."""
-    if layout.delay_axes:
-        raise JaxparError("delay=1 computes another function than one device (each sublayer reads the others' sums one "
-                          "sublayer late), so comparing it with one device says nothing; check the same strategy with "
-                          "delay=0, which checks the layout's splits and sums")
+    why = parallel.comparable(layout)
+    if why is not None:
+        raise JaxparError(why)
 
 
 def check_trainer(trainer, batch, tolerance: float | None = None, seed: int = 0) -> CheckReport:

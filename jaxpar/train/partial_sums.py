@@ -23,8 +23,9 @@ import os
 from jax._src import source_info_util
 from jax.extend import core as jax_core
 
-from jaxpar.collectives.collective_matmul import FINISHED_SCOPE
+from jaxpar import parallel
 from jaxpar.errors import LayoutError
+from jaxpar.parallel.overlap.collective_matmul import FINISHED_SCOPE
 
 # the logical axes whose mesh axes a forgotten sum leaves partial (the model's own dims)
 _MODEL_NAMES = ("embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "experts")
@@ -43,7 +44,7 @@ _FINISHING = frozenset({"psum", "pmax", "pmin", "psum_scatter", "reduce_scatter"
 def tracked_axes(layout) -> frozenset[str]:
     """Mesh axes a model's own dims are split over, less those jaxpar's runtime sums itself."""
     model = {a for name in _MODEL_NAMES for a in layout.axes_of(name)}
-    runtime = set(layout.loss_axes) | set(layout.delay_axes) | set(layout.ring_axes) | set(layout.a2a_axes) | set(layout.block_axes)
+    runtime = set(layout.loss_axes) | set(parallel.runtime_axes(layout))
     return frozenset(model - runtime)
 
 

@@ -1,9 +1,9 @@
 """Where a training batch goes: split over the layout's batch axes by dim 0, checked first.
 
 Both paths take the batch in this one sharding. With several processes, ``put_process`` asks the
-data source only for the rows this process's devices hold. Under context parallelism every device
-of a row's context group receives the whole row, and the step cuts out the positions it holds
-(``collectives/context_attention.local_sequences``): token ids are small next to activations.
+data source only for the rows this process's devices hold. Where a strategy splits the sequence
+(context parallelism) every device of a row's group receives the whole row, and the step cuts out
+the positions it holds (the strategies' ``local_batch``): token ids are small next to activations.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.collectives.context_attention import required_multiple
 from jaxpar.errors import LayoutError
+from jaxpar.parallel import STRATEGIES
 from jaxpar.rules import Layout
 
 
@@ -55,25 +55,8 @@ class BatchPlacement:
                     f"batch of {leaf.shape[0]} examples does not split evenly over {shards} = batch axes "
                     f"{self.layout.batch_axes} x {self.microbatches} micro-batches; use a multiple of {shards}"
                 )
-        if (self.layout.ring_axes or self.layout.a2a_axes) and not self.layout.block_axes:  # BP checks its own
-            self._check_sequences(batch, length)
-
-    def _check_sequences(self, batch, length):
-        layout = self.layout
-        where = "/".join(layout.axes_of("length"))
-        for key, leaf in (batch.items() if isinstance(batch, dict) else [("tokens", batch)]):
-            if len(leaf.shape) < 2:
-                raise LayoutError(f"context parallelism splits a batch's sequence dim (dim 1) over {where}, but batch leaf "
-                                  f"{key!r} has shape {tuple(leaf.shape)}, with no sequence dim: give (batch, length) arrays, "
-                                  f"or drop context=")
-        n = length if length is not None else (next(iter(batch.values())).shape[1] if isinstance(batch, dict) else batch.shape[1] - 1)
-        size = lambda axes: int(np.prod([layout.mesh.shape[a] for a in axes]))  # noqa: E731
-        multiple = required_multiple(size(layout.ring_axes), size(layout.a2a_axes))
-        if n % multiple:
-            raise LayoutError(
-                f"sequence length {n} does not split over {where}: the ring cuts it into 2 x {size(layout.ring_axes)} zigzag "
-                f"chunks and each all-to-all group of {size(layout.a2a_axes)} shares its part, so it must be a multiple of "
-                f"{multiple}; use --seq-len {(n // multiple + 1) * multiple}")
+        for module in STRATEGIES:  # e.g. a sequence length the context ring cannot cut
+            module.check_batch(self.layout, batch, length)
 
     def put(self, batch):
         """Place a host batch on the devices, split over the batch axes."""

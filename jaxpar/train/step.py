@@ -30,11 +30,10 @@ from flax.traverse_util import flatten_dict as flatten
 from flax.traverse_util import unflatten_dict as nest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import attention
-from jaxpar.collectives import context_attention
+from jaxpar import attention, parallel
 from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import pipeline as pipeline_lib
-from jaxpar.parallel import context, delayed, fsdp, schedules
+from jaxpar.parallel import STRATEGIES, fsdp, schedules
 from jaxpar.rules import Layout, gather_layers_when_read, gather_params, record_model_calls, use_layout, vary_over, varying_axes
 from jaxpar.train import check as check_lib
 from jaxpar.train import grad_sync, gspmd, partial_sums, reductions, remat
@@ -100,8 +99,7 @@ class Trainer:
             raise JaxparError(f"path={cfg.path!r} is unknown; use {', '.join(PATHS)}")
         if cfg.attention not in attention.IMPLEMENTATIONS:
             raise JaxparError(f"attention={cfg.attention!r} is unknown; use {', '.join(attention.IMPLEMENTATIONS)}")
-        # a kernel these devices cannot build, or one the context ring would not run
-        context.check_attention(cfg.attention, layout.ring_axes)
+        parallel.check_run(layout, cfg)  # e.g. a kernel the context ring would not run
         attention.check_platform(cfg.attention, layout.mesh.devices.flat[0].platform, "this mesh")
         if cfg.nonfinite not in NONFINITE:
             raise JaxparError(f"nonfinite={cfg.nonfinite!r} is unknown; use stop (raise NonFiniteStep) or skip (drop the step's update)")
@@ -120,9 +118,9 @@ class Trainer:
         self.remat_policy = remat.policy(cfg.remat, self.regather)
         remat.check_layer_loops(cfg.remat, self.stacked_marks())
         self.placement = BatchPlacement(layout, cfg.microbatches)
-        if layout.a2a_axes:  # the all-to-all splits attention by heads
-            shapes = {p: v.get_value().shape for p, v in variables(self.abstract).items()}
-            context_attention.check_heads(layout, {p: (self.written_names[p], shapes[p]) for p in shapes})
+        shapes = {p: v.get_value().shape for p, v in variables(self.abstract).items()}
+        for module in STRATEGIES:  # e.g. heads the context all-to-all cannot split
+            module.check_weights(layout, {p: (self.written_names[p], shapes[p]) for p in shapes})
         self.grad_sync = grad_sync.resolve(cfg, layout)  # None: exact
         self.pipeline, self.schedule, self.program = self._pipeline()
         # per weight: the mesh axes its gradient is reduced over, and where (reductions.ReductionPlan)
@@ -230,27 +228,10 @@ class Trainer:
         return self.path
 
     def _check_required_calls(self, calls):
-        """Under context parallelism, refuse a model that never called jaxpar's attention op; under
-        block parallelism, one that never took its share of a block diffusion batch; under delayed
-        TP, one that never added a sublayer with ``residual_add``."""
-        if (self.layout.ring_axes or self.layout.a2a_axes) and "attention" not in calls:
-            raise LayoutError(
-                f"the layout splits the sequence over {'/'.join(self.layout.axes_of('length'))} (context parallelism), but "
-                f"the model never calls jaxpar.attention.attention: attention of its own would see only this device's "
-                f"positions. Call jaxpar.attention.attention(q, k, v, mask) in the model, or drop context=")
-        if self.layout.block_axes and "block_share" not in calls:
-            raise LayoutError(
-                f"the layout splits a block diffusion model's noisy blocks over {'/'.join(self.layout.block_axes)} (block "
-                f"parallelism), but the loss never takes this device's share of the batch "
-                f"(jaxpar.collectives.block_parallel.share, as jaxpar.models.bd3lm.loss_fn does): every device would "
-                f"compute the whole objective. Use a block diffusion model, or drop block=")
-        if self.layout.delay_axes and "residual_add" not in calls:
-            made = sorted(set(calls))
-            raise LayoutError(
-                f"the layout delays tensor parallelism's sums (delay=1), but the model never adds a sublayer to its residual "
-                f"stream with jaxpar.nn.residual_add ({'it calls ' + ', '.join(made) if made else 'it makes no jaxpar call'}): "
-                f"it would train as plain TP. Carry the residual stream with jaxpar.nn.start_delayed, residual_add and "
-                f"finish_delayed (as jaxpar.models.llama does), or drop delay=1")
+        """Refuse a model that never made a call a strategy needs (context parallelism: jaxpar's
+        attention op; block parallelism: the batch's share; delayed TP: ``residual_add``)."""
+        for module in STRATEGIES:
+            module.check_calls(self.layout, calls)
 
     def _check_partial_sums(self, model_loss, params, micro):
         """Refuse, from one trace of the forward pass (nothing compiled), a partial sum the model
@@ -267,18 +248,8 @@ class Trainer:
 
     def _check_gspmd(self, calls):
         """Refuse what only the manual path does (``calls``: the jaxpar calls the model makes)."""
-        manual_only = {
-            "a compressed grad_sync": self.grad_sync is not None,
-            "a pipeline (stage > 1)": self.pipeline is not None,
-            "regather=on": self.layout.regather is True,
-            "context parallelism (context > 1)": bool(self.layout.ring_axes or self.layout.a2a_axes),
-            "block parallelism (block > 1)": bool(self.layout.block_axes),
-            # both act at the block boundaries the model marks with jaxpar.nn.enter_block and reduce_partial; the
-            # GSPMD path reaches the sequence split only through the model's own jaxpar.nn.constrain calls
-            "sequence parallelism (sp=on)": "tensor" in self.layout.axes_of("residual_length") and "constrain" not in calls,
-            "collective matmul (tp_overlap=on)": bool(self.layout.overlapped),
-        }
-        asked = [what for what, on in manual_only.items() if on]
+        asked = ["a compressed grad_sync"] if self.grad_sync is not None else []
+        asked += [what for module in STRATEGIES if (what := module.manual_only(self.layout, calls))]
         if asked:
             where = (" (sequence parallelism and collective matmul split and gather the sequence where the model calls "
                      "jaxpar.nn.enter_block and reduce_partial)" if any(a.endswith("=on)") for a in asked) else "")
@@ -294,13 +265,13 @@ class Trainer:
         plans = self._plans if plans is None else plans
         k = cfg.microbatches
         shards = layout.loss_shards * k
-        # under block parallelism the loss cuts its own share of each row (collectives/block_parallel.py)
-        split_sequence = bool(layout.ring_axes or layout.a2a_axes) and not layout.block_axes
 
         # Make every weight vary over the axes the tokens are split over: its gradient is then the
         # unreduced local one, and the reductions below are the only ones (no implicit all-reduce).
         varying = nest({p: vary_over(v, layout.loss_axes) for p, v in flatten(params).items()})
-        micro = local_microbatches(context_attention.local_sequences(batch, layout) if split_sequence else batch, k)
+        for module in STRATEGIES:  # this device's part of each row (context parallelism's positions)
+            batch = module.local_batch(layout, batch)
+        micro = local_microbatches(batch, k)
 
         def model_loss(p, mb):
             state = gather_params(self._with_values(p))  # the top-level weights, whole
@@ -488,7 +459,7 @@ class Trainer:
             in_shardings=(self.state_shardings, self.batch_sharding(batch_example)),
             out_shardings=(self.state_shardings, {"loss": replicated, "grad_norm": replicated, "finite": replicated}),
             donate_argnums=(0,) if self.cfg.donate else (),
-            compiler_options=delayed.compiler_options(self.layout),
+            compiler_options=parallel.compiler_options(self.layout),
         )
 
     def step(self, state: TrainState, batch):

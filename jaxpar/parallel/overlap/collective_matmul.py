@@ -1,6 +1,6 @@
 """Collective matmul: an all-gather or reduce-scatter along the sequence decomposed into a ring of
 ``ppermute``s, each hop's chunk computed on while the next hop travels (``tp_overlap=on``, see
-``parallel/overlap.py``). Inside jaxpar's shard_map, over one mesh axis of T devices.
+this folder's ``__init__``). Inside jaxpar's shard_map, over one mesh axis of T devices.
 
 Both rings run both ways at once: each device's chunk of the sequence is cut in two halves, the
 first half going round one way and the second the other, so each link carries half a chunk per

@@ -7,7 +7,7 @@ whole noisy blocks of every row of its batch shard, in dual-end pairs (block i w
 a pair sees N+1 blocks' keys whatever i, so every device does the same attention work), and
 computes the whole clean half itself: the clean keys and values its blocks read are its own, and
 nothing but the weights' gradients crosses ``block``. Which blocks a device owns and how its
-share of a row is cut are in ``collectives/block_parallel.py``.
+share of a row is cut are in this folder's ``blocks.py``.
 
 The layout: ``length`` and ``residual_length`` are split over ``block`` (a device holds its
 noisy blocks then the clean half: N/P + N blocks of every row), so the loss and the weights'
@@ -20,7 +20,7 @@ CSBP, ``block=P,context=C`` (P a multiple of C; P devices in all): the clean hal
 the ``context`` ring in zigzag chunks as under context parallelism, so a device holds its N/P noisy
 blocks and L/C clean tokens. The noisy blocks are still owned by all P devices (the mesh axes
 ``block`` of P/C and ``context`` of C together, context inner); the clean keys and values travel
-the ring (``collectives/context_attention.py``, at given places), the noisy ones never leave
+the ring (``parallel/context/split_attention.py``, at given places), the noisy ones never leave
 their device. Per layer and device the ring sends (C-1)/C of the clean K/V forward, and backward
 the same again plus the clean K/V gradients in float32, C hops of 1/C.
 
@@ -33,10 +33,11 @@ forward again under remat).
 
 import math
 
-from jaxpar.collectives import block_parallel
-from jaxpar.errors import SpecError
+from jaxpar.errors import LayoutError, SpecError
 from jaxpar.mesh import divisors
 from jaxpar.parallel import data
+from jaxpar.parallel.block.blocks import BLOCKS, attention_work, fetch_plan
+from jaxpar.parallel.context.split_attention import FETCH, RING, SHARES
 
 AXES = ("block",)
 CROSSES_DCN = True  # only the gradient all-reduce crosses it, as over data
@@ -105,9 +106,70 @@ def _refolds(degrees: dict[str, int], num_devices: int) -> list[str]:
     return out[:3]
 
 
-def diffusion_axes(strategy) -> tuple[str, ...]:
-    """The mesh axes a block diffusion model's noisy blocks are split over (context inner)."""
-    return AXES + (("context",) if strategy.block_ranks > 1 else ())
+def roles(strategy) -> dict[str, tuple[str, ...]]:
+    """The axes the noisy blocks are split over (context inner), which also cut each row's share
+    in the loss; under clean_kv=fetch the context axis the clean keys are fetched over."""
+    blocks = AXES + (("context",) if strategy.block_ranks > 1 else ())
+    fetch = ("context",) if strategy.options["clean_kv"] == "fetch" else ()
+    return {BLOCKS: blocks, SHARES: blocks, FETCH: fetch}
+
+
+def check_calls(layout, calls):
+    if layout.role(BLOCKS) and "block_share" not in calls:
+        raise LayoutError(
+            f"the layout splits a block diffusion model's noisy blocks over {'/'.join(layout.role(BLOCKS))} (block "
+            f"parallelism), but the loss never takes this device's share of the batch "
+            f"(jaxpar.nn.block_share, as jaxpar.models.bd3lm.loss_fn does): every device would "
+            f"compute the whole objective. Use a block diffusion model, or drop block=")
+
+
+def manual_only(layout, calls) -> str | None:
+    return "block parallelism (block > 1)" if layout.role(BLOCKS) else None
+
+
+def runtime_axes(layout) -> tuple[str, ...]:
+    return layout.role(BLOCKS)
+
+
+def attention_kernel(layout) -> str | None:
+    """The mask is evaluated at each device's token places, which only the blockwise kernel takes."""
+    return "blockwise" if layout.role(BLOCKS) else None
+
+
+def _size(layout, axes) -> int:
+    return math.prod(layout.mesh.shape[a] for a in axes)
+
+
+def report(layout, measured, cfg) -> dict | None:
+    """The clean keys and values the context ring carries per layer against the formula, the bytes
+    of every other collective over the block axes but the gradient all-reduce (noisy keys and
+    values never travel: 0), and each device's attention work (``measured.length``: the model's 2L)."""
+    if not layout.role(BLOCKS):
+        return None
+    ranks, ring, fetch = _size(layout, layout.role(BLOCKS)), _size(layout, layout.role(RING)), bool(layout.role(FETCH))
+    moved = "all-to-all" if fetch else "collective-permute"  # the fetch, or the ring
+    clean = measured.communication.get(moved, {"measured_bytes": 0.0, "optimal_bytes": 0.0})
+    clean_ring = (moved, tuple(layout.role(RING)))
+    others = sum(c.bytes_per_step for c in measured.collectives if set(c.mesh_axes) & set(layout.role(BLOCKS))
+                 and c.kind != "all-reduce" and (c.kind, c.mesh_axes) != clean_ring)
+    length = measured.length
+    work = attention_work(length // 2, cfg.block_size, ranks, ring, cfg.window, fetch)
+    return {"ranks": ranks, "ring": ring, "noisy_blocks_per_device": length // 2 // cfg.block_size // ranks,
+            "clean_kv": "fetched in one all-to-all" if fetch else "on the ring",
+            "clean_kv_per_layer": {"measured_bytes": clean["measured_bytes"] / cfg.layers,
+                                   "formula_bytes": clean["optimal_bytes"] / cfg.layers},
+            "other_bytes_over_block_axes": others, "attention_work_per_device": work.tolist(),
+            "imbalance": float(work.max() / work.mean())}
+
+
+def summary(bp: dict) -> list[str]:
+    ring = f", the clean half split over {bp['ring']} (CSBP)" if bp["ring"] > 1 else ", the clean half on every device"
+    kv = bp["clean_kv_per_layer"]
+    return ["", f"block parallelism: {bp['noisy_blocks_per_device']} noisy blocks per device of {bp['ranks']}{ring}; per layer and device",
+            f"  clean K/V {bp['clean_kv']:25s} {kv['measured_bytes']:14,.0f} bytes   formula {kv['formula_bytes']:14,.0f}",
+            f"  anything else over the block axes but the gradient all-reduce (noisy K/V stay): {bp['other_bytes_over_block_axes']:,.0f} bytes",
+            f"  attention work per device, max / mean: {bp['imbalance']:.3f}"]
+
 
 def rules(strategy, compute: dict, stored: dict):
     compute["length"] = compute["length"] + AXES
@@ -118,19 +180,16 @@ def traffic(strategy, ctx) -> dict:
     """The gradient all-reduce's bytes that ``block`` adds to the data axes' (and context's), and
     under ``clean_kv=fetch`` the fetch's all-to-all (the ring's are context's)."""
     p, ring, model = ctx.mesh["block"], ctx.mesh["context"], ctx.model
-    if not ctx.layout.block_axes:  # (under CSBP with P = C the block axis is 1: only the fetch below)
+    if not ctx.layout.role(BLOCKS):
         return {}
     shard = ctx.psi / ctx.grad_shards * ctx.reduce_bytes
     n = ctx.mesh["data"] * ring * ctx.mesh["context_a2a"]
     out = {("all-reduce", "block"): data.grad_allreduce_bytes(shard, n * p) - data.grad_allreduce_bytes(shard, n)} if p > 1 else {}
-    if ctx.layout.diffusion_fetch and model is not None:
+    if ctx.layout.role(FETCH) and model is not None:
         length = ctx.length // 2  # tokens per half of [x_t ; x_0]
-        slot = block_parallel.fetch_plan(ctx.clean_reads, length, model.block_size, p * ring, ring)[0].shape[2]
+        slot = fetch_plan(ctx.clean_reads, length, model.block_size, p * ring, ring)[0].shape[2]
         kv_heads = max(1, model.kv_heads // ctx.mesh["tensor"])
         pair = ctx.batch // ctx.batch_shards * slot * kv_heads * model.head_dim * 2 * ctx.compute_bytes  # K and V of a slot
         out[("all-to-all", "context")] = model.layers * (1 + (ctx.remat != "none") + 1) * (ring - 1) * pair
     return out
 
-
-def memory(strategy, mesh) -> dict:
-    return {}  # every device holds the weights as the other axes split them

@@ -15,6 +15,9 @@ from jaxpar.mesh import parse_flag
 AXES: tuple[str, ...] = ()  # it runs over tensor's axis
 CROSSES_DCN = False
 OPTIONS = {"tp_overlap": (parse_flag, False)}
+# the layout's role (``Layout.role``): the mesh axes whose block-entry all-gathers and exit
+# reduce-scatters run as rings of ppermutes under the block's matmuls (``jaxpar.nn.enter_block``'s ``then``)
+OVERLAPPED = "overlapped"
 
 
 def check(strategy):
@@ -32,14 +35,10 @@ def rules(strategy, compute: dict, stored: dict):
     """Nothing of its own: weights and activations are laid out as under TP with SP."""
 
 
-def overlapped_axes(strategy) -> tuple[str, ...]:
-    """Mesh axes whose block-entry gathers and exit reductions run as rings of ppermutes."""
-    return ("tensor",) if strategy.options["tp_overlap"] else ()
+def roles(strategy) -> dict[str, tuple[str, ...]]:
+    return {OVERLAPPED: ("tensor",) if strategy.options["tp_overlap"] else ()}
 
 
-def traffic(strategy, ctx) -> dict:
-    return {}
-
-
-def memory(strategy, mesh) -> dict:
-    return {}
+def manual_only(layout, calls) -> str | None:
+    # it acts at the block boundaries the model marks with jaxpar.nn.enter_block and reduce_partial
+    return "collective matmul (tp_overlap=on)" if layout.role(OVERLAPPED) else None

@@ -1,4 +1,4 @@
-"""A device's share of a block diffusion batch under block parallelism (``parallel/block.py``),
+"""A device's share of a block diffusion batch under block parallelism (this folder's ``__init__``),
 inside jaxpar's shard_map.
 
 Every device of the block axes receives its rows whole ([x_t ; x_0], 2L tokens) and keeps the
@@ -30,9 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.attention import Fetch, Mask
-from jaxpar.collectives.context_attention import sequence_order
 from jaxpar.errors import LayoutError
+from jaxpar.parallel.context.split_attention import FETCH, RING, sequence_order
 from jaxpar.rules import _ACTIVE, _called
+
+# the layout's role (``Layout.role``): the mesh axes the noisy blocks are split over
+BLOCKS = "noisy_blocks"
 
 
 def check_degree(num_blocks: int, ranks: int) -> None:
@@ -177,16 +180,16 @@ def share(batch: dict, block_size: int) -> tuple[dict, Share | None]:
     _called("block_share")
     active = _ACTIVE.get()
     layout = active.layout if active is not None and active.manual else None
-    if layout is None or not layout.block_axes:
+    if layout is None or not layout.role(BLOCKS):
         return batch, None
     widths = {x.shape[1] for x in jax.tree.leaves(batch)}
     if len(widths) != 1 or next(iter(widths)) % 2:
         raise LayoutError(f"block parallelism cuts (rows, 2L) block diffusion batches; got widths {sorted(widths)}")
     length = next(iter(widths)) // 2
-    ranks = math.prod(layout.mesh.shape[a] for a in layout.block_axes)
-    ring = math.prod(layout.mesh.shape[a] for a in layout.ring_axes)
-    device = _index(layout, layout.block_axes)
-    fetching = ring > 1 and layout.diffusion_fetch
+    ranks = math.prod(layout.mesh.shape[a] for a in layout.role(BLOCKS))
+    ring = math.prod(layout.mesh.shape[a] for a in layout.role(RING))
+    device = _index(layout, layout.role(BLOCKS))
+    fetching = ring > 1 and bool(layout.role(FETCH))
     places = jnp.asarray(held_places(length, block_size, ranks, ring, fetching))[device]
     noisy = length // ranks
     ring_places = jnp.asarray(clean_places(length, ring)) if ring > 1 else None

@@ -12,7 +12,7 @@ the split by one of three algorithms (``context_algorithm=``):
 The logical axes ``length`` and ``residual_length`` are split over the context axes (ring major),
 so every activation of a block holds 1/N of the positions; the loss and the weights' gradients are
 summed over them like over the batch axes (``Layout.loss_axes``). The algorithms and their traffic
-are in ``collectives/context_attention.py``; per layer and device, with K/V the layer's key and
+are in this folder's ``split_attention.py``; per layer and device, with K/V the layer's key and
 value bytes for this device's batch rows over the whole sequence and Q/O its query and output
 bytes (compute dtype):
 
@@ -29,13 +29,26 @@ Recomputation (``remat=full`` or ``dots``) runs the all-to-alls of the forward o
 import math
 
 from jaxpar import attention
-from jaxpar.collectives import context_attention
-from jaxpar.errors import SpecError
+from jaxpar.errors import LayoutError, SpecError
 from jaxpar.mesh import divisors
 from jaxpar.parallel import data
+from jaxpar.parallel.context import split_attention
+from jaxpar.parallel.context.split_attention import A2A, FETCH, RING, SHARES, check_heads, local_sequences, rank_work, required_multiple
+
+
+def _splits(layout) -> bool:
+    """Whether ``layout`` runs attention across a sequence split over devices."""
+    return bool(layout.role(RING) or layout.role(A2A))
+
+
+def _splits_alone(layout) -> bool:
+    """Whether the sequence split is context's alone: where another strategy's loss cuts each row
+    itself (``SHARES``: block parallelism), that one cuts and checks the batch."""
+    return _splits(layout) and not layout.role(SHARES)
+
 
 # jaxpar.attention's op runs the ring or the all-to-all where a layout splits the sequence
-attention.register_split_sequence(context_attention.attention)
+attention.register_split_sequence(split_attention.attention, _splits)
 
 AXES = ("context", "context_a2a")  # the ring across groups, the all-to-all inside one (neighbours)
 CROSSES_DCN = False
@@ -99,9 +112,10 @@ def check(strategy):
                         f"{strategy.options['context_algorithm']}; add context_algorithm=hybrid or drop a2a")
 
 
-def check_attention(implementation: str, ring_axes: tuple[str, ...]):
+def check_run(planned, cfg):
     """Refuse a kernel the ring would not run: each pair of sequence chunks the ring meets runs
     the blockwise kernel, whose log-sum-exp merges the partial results."""
+    ring_axes, implementation = planned.role(RING), cfg.attention
     if ring_axes and implementation in ("naive", "splash", "cudnn"):
         raise SpecError(f"--attention {implementation} does nothing under the context ring over {'/'.join(ring_axes)}: the ring "
                         f"runs the blockwise kernel on each pair of sequence chunks whatever --attention (their partial "
@@ -109,24 +123,107 @@ def check_attention(implementation: str, ring_axes: tuple[str, ...]):
                         f"which runs {implementation} on whole sequences of fewer heads")
 
 
+def attention_kernel(layout) -> str | None:
+    """The ring runs the blockwise kernel on each pair of chunks, whatever a run asks."""
+    return "blockwise" if layout.role(RING) else None
+
+
+def check_weights(layout, weights: dict):
+    if layout.role(A2A):  # the all-to-all splits attention by heads
+        check_heads(layout, weights)
+
+
+def check_calls(layout, calls):
+    if _splits(layout) and "attention" not in calls:
+        raise LayoutError(
+            f"the layout splits the sequence over {'/'.join(layout.axes_of('length'))} (context parallelism), but "
+            f"the model never calls jaxpar.attention.attention: attention of its own would see only this device's "
+            f"positions. Call jaxpar.attention.attention(q, k, v, mask) in the model, or drop context=")
+
+
+def manual_only(layout, calls) -> str | None:
+    return "context parallelism (context > 1)" if _splits(layout) else None
+
+
+def check_batch(layout, batch, length):
+    """Refuse a batch whose sequence dim the ring's zigzag chunks and the all-to-all groups cannot
+    split (``length``: the sequence length where the batch is only a (batch_size, 1) stand-in)."""
+    if not _splits_alone(layout):
+        return
+    where = "/".join(layout.axes_of("length"))
+    for key, leaf in (batch.items() if isinstance(batch, dict) else [("tokens", batch)]):
+        if len(leaf.shape) < 2:
+            raise LayoutError(f"context parallelism splits a batch's sequence dim (dim 1) over {where}, but batch leaf "
+                              f"{key!r} has shape {tuple(leaf.shape)}, with no sequence dim: give (batch, length) arrays, "
+                              f"or drop context=")
+    n = length if length is not None else (next(iter(batch.values())).shape[1] if isinstance(batch, dict) else batch.shape[1] - 1)
+    ring, a2a = _size(layout, layout.role(RING)), _size(layout, layout.role(A2A))
+    multiple = required_multiple(ring, a2a)
+    if n % multiple:
+        raise LayoutError(
+            f"sequence length {n} does not split over {where}: the ring cuts it into 2 x {ring} zigzag "
+            f"chunks and each all-to-all group of {a2a} shares its part, so it must be a multiple of "
+            f"{multiple}; use --seq-len {(n // multiple + 1) * multiple}")
+
+
+def local_batch(layout, batch):
+    """This device's positions of each row (the batch reaches every device of a context group whole)."""
+    return local_sequences(batch, layout) if _splits_alone(layout) else batch
+
+
+def runtime_axes(layout) -> tuple[str, ...]:
+    return layout.role(RING) + layout.role(A2A)
+
+
+def _size(layout, axes) -> int:
+    return math.prod(layout.mesh.shape[a] for a in axes)
+
+
+def report(layout, measured, cfg) -> dict | None:
+    """Ring and all-to-all bytes per layer against their formulas, and each device's causal
+    attention work (query-key pairs per head and row, whole kernel blocks) with the zigzag, next
+    to a contiguous split's."""
+    if not _splits_alone(layout):
+        return None
+    ring, a2a = _size(layout, layout.role(RING)), _size(layout, layout.role(A2A))
+    communication = measured.communication
+    per_layer = {kind: {"measured_bytes": communication[kind]["measured_bytes"] / cfg.layers,
+                        "formula_bytes": communication[kind]["optimal_bytes"] / cfg.layers}
+                 for kind in ("collective-permute", "all-to-all") if kind in communication}
+    work = rank_work(attention.CAUSAL, measured.length, ring, a2a)
+    contiguous = rank_work(attention.CAUSAL, measured.length, ring, a2a, zigzag=False)
+    return {"ring": ring, "a2a": a2a, "per_layer": per_layer, "attention_work_per_device": work.tolist(),
+            "imbalance": float(work.max() / work.mean()), "contiguous_imbalance": float(contiguous.max() / contiguous.mean())}
+
+
 def rules(strategy, compute: dict, stored: dict):
     compute["length"] = compute["length"] + AXES
     compute["residual_length"] = compute["residual_length"] + AXES
 
 
-def attention_axes(strategy) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(ring axes, all-to-all axes) of the strategy's attention."""
+def summary(section: dict) -> list[str]:
+    parts = [f"{name} over {section[key]} devices" for name, key in (("ring", "ring"), ("all-to-all", "a2a")) if section[key] > 1]
+    lines = ["", f"context parallelism: {' and '.join(parts)}; per layer and device"]
+    for kind, row in section["per_layer"].items():
+        lines.append(f"  {kind:22s} {row['measured_bytes']:14,.0f} bytes   formula {row['formula_bytes']:14,.0f}")
+    lines.append(f"  causal attention work per device, max / mean: {section['imbalance']:.3f} with the zigzag "
+                 f"({section['contiguous_imbalance']:.3f} for contiguous chunks)")
+    return lines
+
+
+def roles(strategy) -> dict[str, tuple[str, ...]]:
+    """The ring's axes and the all-to-all's, by the strategy's algorithm."""
     algorithm = strategy.options["context_algorithm"]
     if algorithm == "all-to-all":
-        return (), ("context",)
-    return ("context",), (("context_a2a",) if algorithm == "hybrid" else ())
+        return {A2A: ("context",)}
+    return {RING: ("context",), A2A: ("context_a2a",) if algorithm == "hybrid" else ()}
 
 
 def traffic(strategy, ctx) -> dict:
     """Ring and all-to-all bytes per device per step (see the module doc), from the Llama's shapes."""
     layout, model = ctx.layout, ctx.model
-    ring = math.prod(ctx.mesh[a] for a in layout.ring_axes)
-    a2a = math.prod(ctx.mesh[a] for a in layout.a2a_axes)
+    ring = math.prod(ctx.mesh[a] for a in layout.role(RING))
+    a2a = math.prod(ctx.mesh[a] for a in layout.role(A2A))
     if ring * a2a == 1:
         return {}
     # the weights' gradients are summed over data and the context axes in one all-reduce: what
@@ -142,18 +239,15 @@ def traffic(strategy, ctx) -> dict:
     # Recomputation (remat) runs the all-to-alls of a layer's forward again; the ring, a custom
     # VJP, keeps its residuals (measured: the same collective-permutes with and without remat)
     forwards = 1 + (ctx.remat != "none")
-    if ring > 1 and not layout.diffusion_fetch:  # (CSBP's fetch instead: parallel/block.py)
+    if ring > 1 and not layout.role(FETCH):  # (CSBP's fetch instead: parallel/block)
         # under CSBP (block parallelism with context) only the clean half of [x_t ; x_0] travels
-        travelling = ctx.length // 2 if layout.block_axes else ctx.length
+        travelling = ctx.length if _splits_alone(layout) else ctx.length // 2
         kv = rows * travelling * kv_heads // a2a * model.head_dim * 2  # elements, whole sequence, the heads held after the all-to-all
         per_layer = 2 * (ring - 1) / ring * kv * ctx.compute_bytes + kv * 4  # forward, backward, + the float32 K/V gradients' R hops
-        out[("collective-permute", layout.ring_axes[0])] = model.layers * per_layer
+        out[("collective-permute", layout.role(RING)[0])] = model.layers * per_layer
     if a2a > 1:
         local = rows * ctx.length // (ring * a2a) * model.head_dim * ctx.compute_bytes
         moved = (a2a - 1) / a2a * (2 * heads + 2 * kv_heads) * local  # q, out and k, v (or their cotangents)
-        out[("all-to-all", layout.a2a_axes[0])] = model.layers * (forwards + 1) * moved
+        out[("all-to-all", layout.role(A2A)[0])] = model.layers * (forwards + 1) * moved
     return out
 
-
-def memory(strategy, mesh) -> dict:
-    return {}

@@ -8,7 +8,7 @@ permuted by it on the host (``train/placement.py``) and split contiguously over 
 so each device receives its own positions and per-token work (the loss, RoPE from the batch's
 positions, segment ids) needs nothing more.
 
-**The algorithms**, by the layout's axes (``parallel/context.py``):
+**The algorithms**, by the layout's roles (``RING``, ``A2A``; this folder's ``__init__``):
 
 - all-to-all (DeepSpeed-Ulysses) over the ``a2a`` axes: q, k and v go from split by sequence to
   split by heads, each device attends over its ring share for heads/U of the heads with any
@@ -39,6 +39,17 @@ import numpy as np
 from jaxpar import attention as att
 from jaxpar.errors import LayoutError
 
+# the layout's roles (``Layout.role``): the mesh axes K/V travel a ring over, and those the
+# sequence is re-split to heads over around attention (all-to-all); the sequence is split over both
+RING = "context_ring"
+A2A = "context_a2a"
+# played by a strategy whose loss cuts each row's share itself (block parallelism): the step then
+# leaves the batch's rows whole
+SHARES = "own_row_shares"
+# the axes over which each device fetches, in one all-to-all, the keys and values its rows' mask
+# reads instead of a ring (block parallelism's clean_kv=fetch)
+FETCH = "kv_fetch"
+
 
 def sequence_order(length: int, ring: int) -> np.ndarray:
     """The global positions in the order the context axes hold them (contiguous pieces of this)."""
@@ -61,7 +72,7 @@ def local_sequences(batch, layout):
         n = tokens.shape[1] - 1
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": jnp.broadcast_to(jnp.arange(n), (tokens.shape[0], n))}
     axes = layout.axes_of("length")
-    ring = math.prod(layout.mesh.shape[a] for a in layout.ring_axes)
+    ring = math.prod(layout.mesh.shape[a] for a in layout.role(RING))
     pieces = math.prod(layout.mesh.shape[a] for a in axes)
     index = 0
     for axis in axes:  # this device's piece, counted ring major as the layout splits the sequence
@@ -77,7 +88,7 @@ def local_sequences(batch, layout):
 def check_heads(layout, weights: dict):
     """Refuse, before anything runs, weights whose query or key/value heads (``weights``: path ->
     (logical names, shape)) a device cannot split over the layout's all-to-all axes."""
-    ways = math.prod(layout.mesh.shape[a] for a in layout.a2a_axes)
+    ways = math.prod(layout.mesh.shape[a] for a in layout.role(A2A))
     for path, (names, shape) in weights.items():
         for dim, name in enumerate(names):
             if name not in ("heads", "kv_heads"):
@@ -87,7 +98,7 @@ def check_heads(layout, weights: dict):
             if local % ways:
                 raise LayoutError(
                     f"weight {'/'.join(map(str, path))} has {shape[dim]} {name} ({local} per device after tensor parallelism), "
-                    f"which the all-to-all over {'/'.join(layout.a2a_axes)} cannot split {ways} ways: attention is split by "
+                    f"which the all-to-all over {'/'.join(layout.role(A2A))} cannot split {ways} ways: attention is split by "
                     f"heads there. Use an all-to-all degree that divides {local} (context_algorithm=hybrid with a smaller a2a=), "
                     f"or context_algorithm=ring")
 
@@ -95,7 +106,7 @@ def check_heads(layout, weights: dict):
 def attention(q, k, v, mask: att.Mask, layout, implementation: str, block_q: int, block_kv: int, interpret: bool):
     """``attention.attention`` on this device's positions of a sequence split over the layout's
     context axes (q, k, v and the segment ids as this device holds them)."""
-    ring, a2a = layout.ring_axes, layout.a2a_axes
+    ring, a2a = layout.role(RING), layout.role(A2A)
     seg = mask.segments
     if a2a:
         ways = math.prod(layout.mesh.shape[a] for a in a2a)
@@ -279,7 +290,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def _attention_at_places(q, k, v, mask: att.Mask, layout):
     where = mask.indices
-    if layout.a2a_axes or mask.segments is not None:
+    if layout.role(A2A) or mask.segments is not None:
         raise LayoutError("attention at given token places (block parallelism with context=) runs on a ring only, without "
                           "segment ids: use context_algorithm=ring and no packing")
     if where.kv_fetch is not None:
@@ -287,9 +298,9 @@ def _attention_at_places(q, k, v, mask: att.Mask, layout):
     if where.kv_ring is None:
         raise LayoutError("under context parallelism attention at given token places needs the places of the keys each ring "
                           "rank holds, or those to fetch: Mask.at(q, kv, kv_ring=...) or Mask.at(q, kv, kv_fetch=...)")
-    r_size = math.prod(layout.mesh.shape[a] for a in layout.ring_axes)
+    r_size = math.prod(layout.mesh.shape[a] for a in layout.role(RING))
     static = dataclasses.replace(mask, indices=None)
-    return _places_ring(static, layout.ring_axes, r_size, q, k, v, where.q, where.kv, where.kv_ring).astype(q.dtype)
+    return _places_ring(static, layout.role(RING), r_size, q, k, v, where.q, where.kv, where.kv_ring).astype(q.dtype)
 
 
 def _fetched(q, k, v, mask: att.Mask, layout):
@@ -299,7 +310,7 @@ def _fetched(q, k, v, mask: att.Mask, layout):
     where = mask.indices
     d = k.shape[-1]
     pairs = jnp.take(jnp.concatenate([k, v], axis=-1), where.kv_fetch.send.reshape(-1), axis=1)
-    got = jax.lax.all_to_all(pairs, layout.ring_axes, 1, 1, tiled=True)  # rank j's slots j*S..(j+1)*S-1
+    got = jax.lax.all_to_all(pairs, layout.role(RING), 1, 1, tiled=True)  # rank j's slots j*S..(j+1)*S-1
     keys, values = jnp.concatenate([k, got[..., :d]], 1), jnp.concatenate([v, got[..., d:]], 1)
     places = jnp.concatenate([where.kv, where.kv_fetch.places])
     real = places >= 0
