@@ -1,7 +1,7 @@
-"""Topologies: the hardware a layout runs on, read from ``jaxpar/meshes/<name>.toml``, built from a TPU
+"""Topologies: the hardware a layout runs on, read from ``meshes/<name>.toml``, built from a TPU
 slice name (``v5p-64``, ``2xv5p-64``: the table in ``jaxpar/tpu_slices.py``), or from JAX's devices.
 
-The TOML schema is documented in ``jaxpar/meshes/README.md``. Files use vendor units (GB/s, GiB, TFLOP/s);
+The TOML schema is documented in ``meshes/README.md``. Files use vendor units (GB/s, GiB, TFLOP/s);
 a ``Topology`` holds SI base units (bytes, bytes/s, FLOP/s) so that cost models never convert.
 JAX is imported only inside ``local_topology()``: reading a file must not initialise a backend.
 """
@@ -72,9 +72,15 @@ _EXAMPLES = {"str": '"text"', "int": "8", "num": "100.0", "shape": "[4, 4, 8]"}
 
 
 def meshes_dir() -> pathlib.Path:
-    """``$JAXPAR_MESHES`` if set, else the topology files shipped inside the package (``jaxpar/meshes/``)."""
+    """``$JAXPAR_MESHES`` if set, else the topology files: ``jaxpar/meshes/`` where the package is
+    installed (a wheel ships the repository's ``meshes/`` there, see pyproject.toml), else the top-level
+    ``meshes/`` beside the package in a source checkout (run in place or installed editable)."""
     env = os.environ.get("JAXPAR_MESHES")
-    return pathlib.Path(env) if env else pathlib.Path(__file__).resolve().parent / "meshes"
+    if env:
+        return pathlib.Path(env)
+    package = pathlib.Path(__file__).resolve().parent
+    shipped = package / "meshes"
+    return shipped if shipped.is_dir() else package.parent / "meshes"
 
 
 def list_topologies() -> list[str]:
@@ -141,7 +147,7 @@ def _unknown_name(name: str) -> str:
         f"unknown topology {name!r}.{hint} Known topologies in {meshes_dir()}: "
         f"{', '.join(known) or '(none)'}. Pass one of these, a TPU slice by Google's name "
         f"(v5p-64, v5e-16, 2xv5p-64; generations {', '.join(GENERATIONS)}), a path to a .toml file, "
-        f"or add {name}.toml there (schema in jaxpar/meshes/README.md)."
+        f"or add {name}.toml there (schema in meshes/README.md)."
     )
 
 
@@ -180,13 +186,13 @@ def _from_dict(data: dict, path: pathlib.Path) -> Topology:
         if key not in _KEYS:
             close = difflib.get_close_matches(key, list(_KEYS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TopologyError(f"{where}: unknown key {key!r}{hint} (keys: jaxpar/meshes/README.md)")
+            raise TopologyError(f"{where}: unknown key {key!r}{hint} (keys: meshes/README.md)")
     missing = [k for k in _KEYS if k not in data and k not in _OPTIONAL]
     if missing:
         raise TopologyError(
             f"{where}: missing required key {missing[0]!r}"
             + (f" (also missing: {', '.join(missing[1:])})" if missing[1:] else "")
-            + f"; add e.g. {missing[0]} = {_EXAMPLES[_KEYS[missing[0]][0]]} (meaning: jaxpar/meshes/README.md)"
+            + f"; add e.g. {missing[0]} = {_EXAMPLES[_KEYS[missing[0]][0]]} (meaning: meshes/README.md)"
         )
     v = {k: _check_value(k, data[k], _KEYS[k][0], where) for k in data}
 

@@ -1,7 +1,7 @@
 """Cloud TPU generations and their slices, by Google's names: ``v5p-64``, ``v5e-16``, ``2xv5p-64``.
 
 The one table of per-chip figures for TPUs. Units are the vendors' (GB/s, GiB, TFLOP/s), as in the
-TOML files of ``jaxpar/meshes/``; ``jaxpar.topology.tpu_slice`` turns a name into a ``Topology``.
+TOML files of ``meshes/``; ``jaxpar.topology.tpu_slice`` turns a name into a ``Topology``.
 The shipped ``tpu-*.toml`` files carry the same figures; tests/test_topology.py checks that they agree.
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ def parse_slice_name(name: str) -> tuple[TpuGeneration, tuple[int, ...], int] | 
         raise TopologyError(
             f"unknown TPU generation {generation!r} in {name!r}; jaxpar knows {', '.join(GENERATIONS)} "
             f"(e.g. v5p-64, v5e-16, 2xv5p-64). For other hardware write a topology file "
-            f"(schema in jaxpar/meshes/README.md)."
+            f"(schema in meshes/README.md)."
         )
     g = GENERATIONS[generation]
     one_slice = f"{generation}-{size}"
@@ -123,7 +123,7 @@ def parse_slice_name(name: str) -> tuple[TpuGeneration, tuple[int, ...], int] | 
         raise TopologyError(
             f"{name!r} is not a {generation} slice: {generation} names count {counts}. "
             f"{generation} slices: {', '.join(g.slices)}. Pick one of these, or write a topology file "
-            f"for another shape (schema in jaxpar/meshes/README.md)."
+            f"for another shape (schema in meshes/README.md)."
         )
     num_slices = int(count) if count else 1
     if num_slices < 1:

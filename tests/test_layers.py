@@ -30,7 +30,7 @@ def test_the_layers_hold():
     ("train/state.py", "import jaxpar.train.step  # noqa: F401", "no import circle among the modules of any package BROKEN"),
 ])
 def test_an_upward_import_or_a_circle_breaks_them(tmp_path, module, line, broken):
-    shutil.copytree(ROOT / "jaxpar", tmp_path / "jaxpar", ignore=shutil.ignore_patterns("__pycache__", "meshes"))
+    shutil.copytree(ROOT / "jaxpar", tmp_path / "jaxpar", ignore=shutil.ignore_patterns("__pycache__"))
     path = tmp_path / "jaxpar" / module
     path.write_text(path.read_text() + "\n" + line + "\n")
     result = lint(tmp_path)

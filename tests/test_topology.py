@@ -121,6 +121,15 @@ def test_topology_is_frozen():
         load_topology("cpu-8").num_chips = 4
 
 
+def test_meshes_dir_holds_every_file_of_the_top_level_meshes(monkeypatch):
+    # the checkout's meshes/ is what a wheel ships as jaxpar/meshes/ (pyproject.toml's package-dir)
+    monkeypatch.delenv("JAXPAR_MESHES", raising=False)
+    top = pathlib.Path(__file__).resolve().parent.parent / "meshes"
+    names = sorted(p.name for p in top.iterdir() if p.suffix == ".toml" or p.name == "README.md")
+    assert "cpu-8.toml" in names and "README.md" in names
+    assert {n: (meshes_dir() / n).read_text() for n in names} == {n: (top / n).read_text() for n in names}
+
+
 def test_meshes_dir_follows_env(tmp_path, monkeypatch):
     write(tmp_path, GOOD)
     monkeypatch.setenv("JAXPAR_MESHES", str(tmp_path))

@@ -73,7 +73,7 @@ MATMUL_EFFICIENCY = {
     "nvidia-h100": 0.53,
     # not measured: the H100's Hopper tensor cores (only HBM, modelled apart, differs)
     "nvidia-h200": 0.53,
-    # the cpu topologies' FLOP/s are nominal already (jaxpar/meshes/cpu-*.toml): no discount on top
+    # the cpu topologies' FLOP/s are nominal already (meshes/cpu-*.toml): no discount on top
     "cpu": 1.0,
 }
 
@@ -314,7 +314,7 @@ class PublishedRun:
 
     model: str  # as the publication names it
     config: LlamaConfig
-    topology: str  # a jaxpar topology file (jaxpar/meshes/)
+    topology: str  # a jaxpar topology file (meshes/)
     strategy: str  # as a jaxpar parallel spec
     batch_per_chip: int
     seq_len: int
