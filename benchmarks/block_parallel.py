@@ -63,7 +63,7 @@ def cpu_rows(steps: int, seq_len: int, block_size: int, window: int):
             jax.block_until_ready(metrics["loss"])
             if i:  # the first step compiles
                 times.append(time.perf_counter() - start)
-        example = trainer.abstract_batch(8, seq_len, diffusion=True)
+        example = trainer.abstract_batch(8, seq_len, fields=bd3lm.FAMILY.batch_fields(seq_len))
         cols = hlo.collectives(trainer._step.lower(trainer.abstract_state(), example).compile().as_text(), trainer.layout.mesh)
         sent = hlo.summarize([c for c in cols if c.operand_bytes > 8])
         layout = trainer.layout

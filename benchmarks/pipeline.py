@@ -49,7 +49,7 @@ def main():
     from jaxpar.parallel import build_layout, mpmd, parse_strategy
     from jaxpar.parallel import pipeline as pl
     from jaxpar.parallel import schedules as sc
-    from jaxpar.train.step import abstract_model
+    from jaxpar.train.state import abstract_model
 
     S, m = args.stages, args.microbatches
     cfg = dataclasses.replace(llama.CONFIGS["tiny"], layers=args.layers)

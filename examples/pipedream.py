@@ -24,7 +24,7 @@ from flax import nnx  # noqa: E402
 
 from jaxpar.models import llama  # noqa: E402
 from jaxpar.parallel import pipeline, schedules  # noqa: E402
-from jaxpar.train.step import abstract_model  # noqa: E402
+from jaxpar.train.state import abstract_model  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--microbatches", type=int, default=48, help="at least the 4 stages")

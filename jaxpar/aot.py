@@ -19,13 +19,13 @@ from jaxpar.analysis import hlo, memory, roofline, traffic
 from jaxpar.attention import check_platform
 from jaxpar.errors import JaxparError, JobFailed
 from jaxpar.mesh import dcn_misplaced, divisors, split_ici_dcn
-from jaxpar.models import llama, model_and_loss, model_family
+from jaxpar.models import family_of, llama
 from jaxpar import parallel
 from jaxpar.parallel import build_layout, parse_strategy, schedules
 from jaxpar.topology import Topology
 from jaxpar.run import (
-    RunConfig, check_at_least, check_block_degree, check_fits_fully_sharded, check_model_axes, check_unused_options, check_writable,
-    run_model_config, write_text_atomically,
+    RunConfig, check_at_least, check_fits_fully_sharded, check_model_axes, check_unused_options, check_writable,
+    plan_run, run_model_config, write_text_atomically,
 )
 from jaxpar.train.step import TrainConfig, Trainer
 
@@ -89,18 +89,18 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
 
     name = model if isinstance(model, str) else "the model"
     model_cfg, strategy = _checked_plan(model, topology, strategy_text, batch_size, seq_len, cfg, block_size, window, explicit)
-    diffusion = model_family(model_cfg) == "bd3lm"
+    family = family_of(model_cfg)
     if dump_hlo is not None:
         check_writable(str(dump_hlo), "--dump-hlo", directory=True)
     target = target_for(topology)
     n = len(target.devices)
     _, dcn = split_ici_dcn(strategy.spec, topology.num_slices)
-    layout = build_layout(strategy, target.devices, num_slices=topology.num_slices)
-    attention = _attention_for(cfg.attention, target, seq_len, strategy, layout)
-    train_cfg = dataclasses.replace(cfg, attention=attention, memory_bytes=topology.hbm_bytes)
-    trainer = Trainer(layout, *model_and_loss(model_cfg), train_cfg)
-    trainer.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"), seq_len)
-    batch = trainer.abstract_batch(batch_size, seq_len, diffusion=diffusion)
+    train_cfg = dataclasses.replace(cfg, attention=_attention_for(cfg.attention, target, seq_len, strategy),
+                                    memory_bytes=topology.hbm_bytes)
+    run = RunConfig(model=name, strategy=strategy_text, steps=cfg.total_steps, batch_size=batch_size, seq_len=seq_len,
+                    block_size=block_size, window=window, train=train_cfg, explicit=explicit)
+    plan = plan_run(run, topology, target.devices, model_cfg, must_fit=False)  # the fit is what this reports
+    trainer, batch, layout = Trainer.from_plan(plan.step), plan.example, plan.step.layout
     try:
         compiled = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
     except jax.errors.JaxRuntimeError as err:
@@ -119,7 +119,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     dcn_axes = tuple(a for a, d in dcn.items() if d > 1)
     cols = hlo.collectives(compiled.as_text(), layout.mesh, dcn_axes, topology.num_slices)
     rows = [(c.kind, c.mesh_axes, c.bytes_per_step, any(dcn[a] > 1 for a in c.mesh_axes)) for c in cols]
-    model_length = 2 * seq_len if diffusion else seq_len  # a block diffusion model reads [x_t ; x_0]
+    model_length = family.reads(seq_len)  # a block diffusion model reads [x_t ; x_0]
     model_flops = model_cfg.flops_per_token(model_length) * batch_size * model_length
     estimate = _estimate(trainer, strategy, model_cfg, batch_size, model_length, rows, topology)
     cost = compiled.cost_analysis() or {}
@@ -133,10 +133,10 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
         "strategy": str(strategy),
         "compiler": target.compiler,
         "compiler_note": target.note,
-        "attention": attention,
+        "attention": train_cfg.attention,
         "options": {"compute_dtype": train_cfg.compute_dtype, "grad_reduce_dtype": train_cfg.grad_reduce_dtype,
                     "remat": train_cfg.remat, "microbatches": train_cfg.microbatches},
-        "fsdp_policy": {"regather": trainer.regather, "reason": trainer.regather_reason},
+        "fsdp_policy": {"regather": trainer.plan.regather, "reason": trainer.plan.regather_reason},
         "batch_size": batch_size,
         "seq_len": seq_len,
         "memory_per_chip": _memory_per_chip(compiled.memory_analysis(), topology, trainer, strategy),
@@ -165,13 +165,13 @@ def _checked_plan(model, topology: Topology, strategy_text: str, batch_size: int
     check_fits_fully_sharded(model_cfg.num_params(), topology, name)
     strategy = parse_strategy(strategy_text, topology.num_chips)
     check_model_axes(strategy, name)
-    check_block_degree(strategy, model_cfg, seq_len)
+    parallel.check_model(strategy, model_cfg, seq_len)
     check_unused_options(RunConfig(train=cfg, explicit=explicit), strategy)
     parallel.check_run(strategy, cfg)
     return model_cfg, strategy
 
 
-def _attention_for(asked: str, target: Target, seq_len: int, strategy, layout) -> str:
+def _attention_for(asked: str, target: Target, seq_len: int, strategy) -> str:
     """The kernel the pod runs for ``--attention asked``: ``auto`` is JAX's splash kernel on a TPU pod
     (this host's backend, the CPU, would choose blockwise), so the compiled memory is the pod's;
     lengths splash cannot tile take blockwise, and so do block parallelism (its mask is evaluated
@@ -179,7 +179,7 @@ def _attention_for(asked: str, target: Target, seq_len: int, strategy, layout) -
     pair of chunks): the strategies' ``attention_kernel``."""
     if asked != "auto":
         return asked
-    splash = target.compiler == "tpu" and seq_len % 128 == 0 and parallel.attention_kernel(layout) is None
+    splash = target.compiler == "tpu" and seq_len % 128 == 0 and parallel.attention_kernel(strategy) is None
     return "splash" if splash else "blockwise"
 
 

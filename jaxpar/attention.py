@@ -81,7 +81,10 @@ def _splash_outputs_typed():
     """While a step is traced (its backward too): every ``pallas_call`` output that declares no
     varying mesh axes is typed to vary over every axis its inputs vary over, as a per-device
     kernel's output does. JAX 0.10's splash kernel declares none, and inside the step's shard_map
-    (check_vma, on which the step's gradient types rest) pallas_call refuses such outputs."""
+    (check_vma, on which the step's gradient types rest) pallas_call refuses such outputs. JAX
+    offers no supported way to type another library's kernel outputs (the splash kernel builds its
+    own ``pallas_call``), so the call is wrapped only while such a step traces, and restored after;
+    it goes once splash declares its outputs' varying axes."""
     from jax._src.core import ManualAxisType  # the type of an aval's varying axes; no public name yet
     from jax.experimental import pallas as pl
 

@@ -9,7 +9,14 @@ import signal
 import sys
 
 # Exit statuses, the same for every command: defined with the errors that cause them
-from jaxpar.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_ON_SIGNAL, EXIT_SIGINT, EXIT_SIGTERM, EXIT_STATUSES
+from jaxpar.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_ON_SIGNAL, EXIT_SIGINT, EXIT_SIGTERM, EXIT_STATUSES, JaxparError
+# the options of train, compile, check, bench and launch are declared on their config classes' fields
+from jaxpar.flags import add_flags, config_from_args, given_flags
+
+# where a command's defaults are not train's (those of the config classes)
+COMPILE_DEFAULTS = {"model": "llama2-7b", "strategy": "fsdp=-1", "batch_size": 256, "seq_len": 2048}  # and aot.POD_DEFAULTS
+CHECK_DEFAULTS = {"batch_size": 8, "seq_len": 32}  # small: one step of each
+BENCH_DEFAULTS = {"steps": 6}
 
 
 def _simulate_cpu_devices(count: int):
@@ -19,6 +26,11 @@ def _simulate_cpu_devices(count: int):
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    if "jax" in sys.modules:  # imported with the command's options (main): it read JAX_PLATFORMS then, XLA_FLAGS not yet
+        import jax
+
+        if not jax.config.jax_platforms:
+            jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 
 def _cpu_topology_simulated(name: str):
@@ -31,81 +43,44 @@ def _cpu_topology_simulated(name: str):
     return topology
 
 
-def _train_parser(sub):
+def _train_parser(sub, chosen: str | None):
     p = sub.add_parser("train", help="train a Llama under a layout on the shipped corpus (default: tiny, cpu-8, fsdp=4,tensor=2)")
-    p.add_argument("--model", default="tiny", help="tiny | llama-1b | llama2-7b | llama3-8b | llama2-70b | bd3lm-tiny | bd3lm-8b")
-    p.add_argument("--block-size", type=int, help="block diffusion models (bd3lm-*): tokens per block, dividing --seq-len (default 16)")
-    p.add_argument("--window", type=int, help="block diffusion models: the clean tokens before a block that it attends to, whole blocks "
-                   "(a sliding window; default the whole prefix)")
-    p.add_argument("--topology", default="cpu-8", help="a name from jaxpar/meshes/ or a path to a topology TOML file")
-    p.add_argument("--strategy", default="fsdp=4,tensor=2", help='parallel spec and options, e.g. "data=2,fsdp=-1,tensor=2,zero=3,sp=off"')
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    if chosen != "train":  # its options load its config classes, and jax with them (main)
+        return p
+    from jaxpar.launch import DistributedArgs
+    from jaxpar.run import RunConfig
+    from jaxpar.train.checkpoint import CheckpointConfig
+    from jaxpar.train.config import TrainConfig
+
+    p.add_argument("--topology", default="cpu-8", help="a name from meshes/ or a path to a topology TOML file")
+    add_flags(p, RunConfig, "train")
     p.add_argument("--metrics-json", metavar="PATH", help="write per-step loss and time and the memory and communication report here")
-    p.add_argument("--learning-rate", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per optimizer step (with stage=N: pipeline micro-batches)")
-    # default None, to tell "given" from "default": given without a stage axis, they are refused
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b"], help="pipeline schedule when the strategy has stage=N (default 1f1b)")
-    p.add_argument("--chunks", type=int, help="layer chunks per stage (interleaved-1f1b: virtual stages per device, >= 2; default 1)")
-    p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"], help="bfloat16 keeps float32 master weights")
-    p.add_argument("--grad-reduce-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype gradients are summed across devices in")
-    p.add_argument("--remat", default="none", choices=["none", "full", "dots"], help="what the backward pass recomputes")
-    p.add_argument("--packing", default="off", choices=["on", "off"],
-                   help="on: rows of whole documents with segment ids, loss over real tokens; off: windows of the text")
+    add_flags(p, TrainConfig, "train")  # its gradient sync options in their own group
     p.add_argument("--dcp", default="off", choices=["on", "off"],
                    help="data-centric parallel: batches of whole documents, each step's lengths choose its context "
                         "degrees (--seq-len: positions per device; --batch-size: documents per step)")
-    p.add_argument("--attention", default="auto", choices=["auto", "naive", "blockwise", "splash", "cudnn"],
-                   help="attention implementation (auto: splash on TPU, cuDNN on GPU where the mask allows, else blockwise)")
     p.add_argument("--context-algorithm", choices=["ring", "all-to-all", "hybrid"],
                    help="attention across a sequence split by context=N (default ring; hybrid also needs a2a=U in the strategy)")
-    p.add_argument("--skip-nonfinite", action="store_true",
-                   help="drop the update of a step whose loss or gradient is NaN or inf and go on (default: stop there, exit 1)")
-    g = p.add_argument_group("gradient sync (how gradients are summed across the batch axes)")
-    g.add_argument(
-        "--grad-sync", default="exact", metavar="{exact,dynamiq,int8}",
-        help="exact: psum in --grad-reduce-dtype (default); dynamiq: compressed all-reduce with block scales and "
-        "per-group widths (about 5 bits per value); int8: naive 8-bit per-hop quantization",
-    )
-    g.add_argument("--grad-sync-bits", type=float, metavar="B", help="dynamiq: average bits per value (default: the collective's)")
-    g.add_argument(
-        "--grad-sync-axes", metavar="AXES",
-        help="comma-separated batch mesh axes to compress, e.g. data (default: those that cross slow links between "
-        "slices or nodes, else all)",
-    )
     c = p.add_argument_group("checkpoints (orbax; restorable under any layout, device count or process count)")
-    c.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here")
-    c.add_argument("--checkpoint-every", type=int, metavar="K", help="save every K steps and after the last (default 100)")
-    c.add_argument("--keep-checkpoints", type=int, metavar="N", help="keep the last N checkpoints; older ones go once one of these verifies (default 3)")
+    add_flags(c, CheckpointConfig, "train")
     c.add_argument(
         "--resume", nargs="?", const="required", choices=["required", "auto"],
         help="continue from the latest complete checkpoint in --checkpoint-dir; --resume=auto also starts afresh when there is none",
     )
-    d = p.add_argument_group("multi-host (jax.distributed; default: detect SLURM / Open MPI / Cloud TPU, else one process)")
-    d.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
-    d.add_argument("--num-processes", type=int, metavar="N")
-    d.add_argument("--process-id", type=int, metavar="I")
-    d.add_argument("--distributed", default="auto", choices=["auto", "on", "off"], help="on: always call jax.distributed.initialize() (Cloud TPU VMs); off: never")
-    d.add_argument("--init-timeout", type=int, default=300, metavar="S", help="seconds to wait for every process to join (default 300)")
-    d.add_argument("--heartbeat-timeout", type=int, default=100, metavar="S", help="a process silent this long is declared dead (default 100)")
+    add_flags(p, DistributedArgs, "train")
     return p
 
 
-def _launch_parser(sub):
+def _launch_parser(sub, chosen: str | None):
     p = sub.add_parser(
         "launch", help="run a command as N local processes of one jax.distributed job; restart it from its last checkpoint on failure",
         usage="jaxpar launch [options] -- COMMAND ...",
     )
-    p.add_argument("--processes", type=int, default=2, help="processes to start on this machine (default 2)")
-    p.add_argument("--devices-per-process", type=int, help="simulated CPU devices per process (default: the topology's chips / processes)")
-    p.add_argument("--max-restarts", type=int, default=0, help="restart the whole job this many times after a failure (default 0)")
-    p.add_argument("--hang-timeout", type=float, default=600.0, metavar="S", help="once steps run, no progress from any process for S seconds is a hang (default 600)")
-    p.add_argument("--startup-timeout", type=float, default=1800.0, metavar="S", help="the same before every process has begun its first step: imports, compiling (default 1800)")
-    p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
-    p.add_argument("--status-dir", help="where processes report progress (default: a temporary directory)")
+    if chosen != "launch":
+        return p
+    from jaxpar.launch import LaunchConfig
+
+    add_flags(p, LaunchConfig, "launch")
     p.add_argument("job", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command, after '--'")
     return p
 
@@ -114,20 +89,17 @@ def _launch(args) -> int:
     from jaxpar.launch import LaunchConfig, launch
 
     command = args.job[1:] if args.job[:1] == ["--"] else args.job
-    cfg = LaunchConfig(
-        processes=args.processes, devices_per_process=args.devices_per_process, max_restarts=args.max_restarts,
-        hang_timeout_s=args.hang_timeout, startup_timeout_s=args.startup_timeout, port=args.port, status_dir=args.status_dir,
-    )
-    return launch(command, cfg)  # on SIGINT or SIGTERM it stops the children on its way out
+    return launch(command, config_from_args(LaunchConfig, args, "launch"))  # on SIGINT or SIGTERM it stops the children on its way out
 
 
-def _bench_parser(sub):
+def _bench_parser(sub, chosen: str | None):
     p = sub.add_parser("bench", help="every strategy on the same model and devices: step time, traffic vs optimum, memory vs ZeRO table")
-    p.add_argument("--model", default="tiny")
+    if chosen != "bench":
+        return p
+    from jaxpar.run import RunConfig
+
     p.add_argument("--topology", default="cpu-8")
-    p.add_argument("--steps", type=int, default=6, help="steps per strategy (the first, which compiles, is not timed)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
+    add_flags(p, RunConfig, "bench", BENCH_DEFAULTS)
     p.add_argument("--strategies", help="comma-free list separated by ';' (default: the standard set)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     return p
@@ -141,7 +113,7 @@ def _bench(args) -> int:
     strategies = parse_strategies(args.strategies) if args.strategies else STRATEGIES
     if args.json:
         check_writable(args.json, "--json")
-    run = RunConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len)
+    run = config_from_args(RunConfig, args, "bench")
     rows = bench(run, topology, strategies)
     print(format_table(rows))
     if args.json:
@@ -149,25 +121,18 @@ def _bench(args) -> int:
     return EXIT_OK
 
 
-def _compile_parser(sub):
+def _compile_parser(sub, chosen: str | None):
     p = sub.add_parser("compile", help="compile the training step for a topology ahead of time and report fit, traffic and estimated speed")
-    p.add_argument("--model", default="llama2-7b")
-    p.add_argument("--topology", default="tpu-v5p-256", help="a TPU slice by name (v5p-64, v5e-16, 2xv5p-64...), a name from jaxpar/meshes/ or a TOML file")
-    p.add_argument("--strategy", default="fsdp=-1", help='parallel spec and options, e.g. "fsdp=-1,regather=auto" (as for train)')
-    p.add_argument("--batch-size", type=int, default=256, help="global batch, in sequences")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (a block diffusion model reads twice as many: [x_t ; x_0])")
-    p.add_argument("--block-size", type=int, help="block diffusion models (bd3lm-*): tokens per block, dividing --seq-len")
-    p.add_argument("--window", type=int, help="block diffusion models: a sliding window of clean tokens, whole blocks (as for train)")
+    if chosen != "compile":
+        return p
+    from jaxpar.aot import POD_DEFAULTS
+    from jaxpar.run import RunConfig
+    from jaxpar.train.config import TrainConfig
+
+    p.add_argument("--topology", default="tpu-v5p-256", help="a TPU slice by name (v5p-64, v5e-16, 2xv5p-64...), a name from meshes/ or a TOML file")
+    add_flags(p, RunConfig, "compile", COMPILE_DEFAULTS)
     # every option of train's that changes the compiled program, with a pod's defaults (bf16, full remat)
-    p.add_argument("--remat", default="full", choices=["none", "full", "dots"])
-    p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"], help="bfloat16 keeps float32 master weights")
-    p.add_argument("--grad-reduce-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype gradients are summed across devices in (bfloat16 halves the reduction bytes)")
-    p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps (with stage=N: pipeline micro-batches)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b"], help="pipeline schedule when the strategy has stage=N")
-    p.add_argument("--chunks", type=int, help="layer chunks per stage (interleaved-1f1b)")
-    p.add_argument("--attention", default="auto", choices=["auto", "naive", "blockwise", "splash", "cudnn"],
-                   help="attention implementation (auto: splash on a TPU pod where the length tiles, else blockwise)")
+    add_flags(p, TrainConfig, "compile", POD_DEFAULTS)
     p.add_argument("--context-algorithm", choices=["ring", "all-to-all", "hybrid"], help="attention across a sequence split by context=N")
     p.add_argument("--dump-hlo", metavar="DIR", help="write the compiled program's text to DIR/step.hlo.txt")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
@@ -188,12 +153,10 @@ def _compile(args) -> int:
     if args.json:
         check_writable(args.json, "--json")
     check_at_least("--microbatches", args.microbatches, 1)
-    pipeline_flags = {k: v for k, v in (("schedule", args.schedule), ("chunks", args.chunks)) if v is not None}
-    cfg = TrainConfig(remat=args.remat, compute_dtype=args.compute_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
-                      microbatches=args.microbatches, attention=args.attention, **pipeline_flags)
+    cfg = config_from_args(TrainConfig, args, "compile")
     strategy = args.strategy + (f",context_algorithm={args.context_algorithm}" if args.context_algorithm else "")
     report = compile_report(args.model, topology, strategy, args.batch_size, args.seq_len, cfg, dump_hlo=args.dump_hlo,
-                            block_size=args.block_size, window=args.window, explicit=frozenset(pipeline_flags))
+                            block_size=args.block_size, window=args.window, explicit=frozenset(given_flags(TrainConfig, args, "compile")))
     print(format_report(report))
     if args.dump_hlo:
         print(f"\ncompiled program written to {args.dump_hlo}/step.hlo.txt")
@@ -206,7 +169,7 @@ def _compile(args) -> int:
     return EXIT_OK
 
 
-def _generate_parser(sub):
+def _generate_parser(sub, chosen: str | None):  # no config class: its options are its own
     p = sub.add_parser("generate", help="continue text from a checkpoint of jaxpar train: a Llama token by token (KV cache), "
                                         "a block diffusion model (bd3lm-*) block by block")
     p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="a --checkpoint-dir of jaxpar train")
@@ -230,7 +193,7 @@ def _generate_parser(sub):
     return p
 
 
-def _affinity_parser(sub):
+def _affinity_parser(sub, chosen: str | None):  # no config class: its options are its own
     p = sub.add_parser("affinity", help="choose which heads and MLP columns each tensor shard holds for delayed TP "
                                         "(affinity-aware sharding) from a Llama checkpoint; write the permutation")
     p.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="a --checkpoint-dir of jaxpar train (a Llama)")
@@ -301,8 +264,6 @@ def _generate_topology(args):
 
 def _generate_prompts(args) -> list[str]:
     """The prompts: --prompt, or each non-empty line of --prompts-file."""
-    from jaxpar.errors import JaxparError
-
     if args.prompt is not None and args.prompts_file:
         raise JaxparError("give --prompt or --prompts-file, not both")
     if not args.prompts_file:
@@ -326,7 +287,6 @@ def _generate(args) -> int:
     import time
 
     topology = _generate_topology(args)
-    from jaxpar.errors import JaxparError
     from jaxpar.serve import common
     from jaxpar.run import check_writable, devices_for
 
@@ -409,18 +369,18 @@ def _generate_blocks(args, prompt, layout, began) -> int:
     return EXIT_OK
 
 
-def _check_parser(sub):
+def _check_parser(sub, chosen: str | None):
     p = sub.add_parser("check", help="one step of a layout against the same model on one device: names every weight whose gradient differs")
-    p.add_argument("--model", default="tiny")
+    if chosen != "check":
+        return p
+    from jaxpar.run import RunConfig
+    from jaxpar.train.config import TrainConfig
+
     p.add_argument("--topology", default="cpu-8")
-    p.add_argument("--strategy", default="fsdp=4,tensor=2")
-    p.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences (small: one step of each)")
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--microbatches", type=int, default=1)
-    p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
+    add_flags(p, RunConfig, "check", CHECK_DEFAULTS)
+    add_flags(p, TrainConfig, "check")
     p.add_argument("--tolerance", type=float, help="largest gradient difference per weight, as a fraction of its largest "
                    "one-device gradient entry (default 1e-4 in float32, 3e-2 in bfloat16)")
-    p.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -431,8 +391,7 @@ def _check(args) -> int:
     from jaxpar.train import data
     from jaxpar.train.step import TrainConfig
 
-    run = RunConfig(model=args.model, strategy=args.strategy, steps=1, batch_size=args.batch_size, seq_len=args.seq_len,
-                    seed=args.seed, train=TrainConfig(microbatches=args.microbatches, compute_dtype=args.compute_dtype))
+    run = config_from_args(RunConfig, args, "check", steps=1, train=config_from_args(TrainConfig, args, "check"))
     check_run(run, None, "never")
     check_lib.check_tolerance(args.tolerance)
     trainer, _, model_cfg = build_trainer(run, topology)
@@ -444,7 +403,7 @@ def _check(args) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
-def _checkpoints_parser(sub):
+def _checkpoints_parser(sub, chosen: str | None):  # no config class: its options are its own
     p = sub.add_parser("checkpoints", help="list the checkpoints in a directory: step, model, layout and whether each verifies")
     p.add_argument("directory", metavar="DIR", help="a --checkpoint-dir a run saved into")
     return p
@@ -464,13 +423,9 @@ def _train(args) -> int:
     from jaxpar.topology import load_topology
 
     topology = load_topology(args.topology)
-    dist = launch.DistributedArgs(
-        coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id, mode=args.distributed,
-        init_timeout_s=args.init_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
-    )
+    dist = config_from_args(launch.DistributedArgs, args, "train")
     if topology.platform == "cpu":
         _simulate_cpu_devices(launch.local_share(topology.num_chips, dist))
-    from jaxpar.errors import JaxparError
     from jaxpar.report import format_summary, step_report
     from jaxpar.train.checkpoint import CheckpointConfig
     from jaxpar.run import (
@@ -479,28 +434,18 @@ def _train(args) -> int:
     from jaxpar.train.step import TrainConfig
 
     checkpoint = None
-    given = {k: v for k, v in (("every", args.checkpoint_every), ("keep", args.keep_checkpoints)) if v is not None}
+    given = given_flags(CheckpointConfig, args, "train")  # --checkpoint-every, --keep-checkpoints
     if args.checkpoint_dir:
-        checkpoint = CheckpointConfig(args.checkpoint_dir, **given)
+        checkpoint = config_from_args(CheckpointConfig, args, "train")
     elif given:
-        flag = "--checkpoint-every" if "every" in given else "--keep-checkpoints"
-        raise JaxparError(f"{flag} {given.get('every', given.get('keep'))} does nothing without --checkpoint-dir; add --checkpoint-dir DIR or drop it")
+        flag, value = next(iter(given.values()))
+        raise JaxparError(f"{flag} {value} does nothing without --checkpoint-dir; add --checkpoint-dir DIR or drop it")
     # a job the launcher restarts resumes if it saves checkpoints at all
     resume = args.resume or (os.environ.get(launch.ENV_RESUME, "never") if checkpoint else "never")
-    pipeline_flags = {k: v for k, v in (("schedule", args.schedule), ("chunks", args.chunks)) if v is not None}
     strategy = args.strategy + (f",context_algorithm={args.context_algorithm}" if args.context_algorithm else "")
-    run = RunConfig(
-        model=args.model, strategy=strategy, steps=args.steps, batch_size=args.batch_size,
-        seq_len=args.seq_len, seed=args.seed, explicit=frozenset(pipeline_flags), packing=args.packing == "on",
-        block_size=args.block_size, window=args.window,
-        train=TrainConfig(
-            learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, remat=args.remat, microbatches=args.microbatches, **pipeline_flags,
-            attention=args.attention,
-            compute_dtype=args.compute_dtype, grad_reduce_dtype=args.grad_reduce_dtype,
-            nonfinite="skip" if args.skip_nonfinite else "stop", grad_sync=args.grad_sync, grad_sync_bits=args.grad_sync_bits,
-            grad_sync_axes=None if args.grad_sync_axes is None else tuple(filter(None, (a.strip() for a in args.grad_sync_axes.split(",")))),
-        ),
-    )
+    # explicit: --schedule and --chunks as given, refused without a stage axis even at their defaults
+    run = config_from_args(RunConfig, args, "train", strategy=strategy, explicit=frozenset(given_flags(TrainConfig, args, "train")),
+                           train=config_from_args(TrainConfig, args, "train"))
     check_run(run, checkpoint, resume)  # before joining a multi-process job (run_training checks again)
     if args.metrics_json:  # the report: about 3 KiB of settings and figures, and 75 bytes a step
         check_writable(args.metrics_json, "--metrics-json", room=8192 + 96 * run.steps)
@@ -556,7 +501,6 @@ def _partial_metrics(path: str | None, run, topology):
 
 def _train_dcp(args, topology) -> int:
     """``jaxpar train --dcp on``: the main job's documents under data-centric parallel."""
-    from jaxpar.errors import JaxparError
     from jaxpar.models import llama, model_config
     from jaxpar.train import data, dcp
     from jaxpar.run import StopSignals, write_json_atomically
@@ -644,32 +588,38 @@ def _epilog() -> str:
     return "exit statuses:\n" + "\n".join(f"  {code:<4d} {meaning}" for code, meaning in EXIT_STATUSES.items())
 
 
-def main(argv=None) -> int:
+def _parser(chosen: str | None) -> argparse.ArgumentParser:
+    """jaxpar's parser; of the commands with config classes, only ``chosen`` gets its options."""
     parser = argparse.ArgumentParser(
         prog="jaxpar", description="Write a model once with logical axis names; run it under any layout.",
         epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command")
-    _train_parser(sub)
-    _bench_parser(sub)
-    _compile_parser(sub)
-    _launch_parser(sub)
-    _checkpoints_parser(sub)
-    _check_parser(sub)
-    _generate_parser(sub)
-    _affinity_parser(sub)
-    args = parser.parse_args(argv)
-    if args.command is None:
+    for add in (_train_parser, _bench_parser, _compile_parser, _launch_parser, _checkpoints_parser, _check_parser,
+                _generate_parser, _affinity_parser):
+        add(sub, chosen)
+    return parser
+
+
+COMMANDS = {"train": _train, "bench": _bench, "compile": _compile, "launch": _launch, "checkpoints": _checkpoints,
+            "check": _check, "generate": _generate, "affinity": _affinity}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The command is the first word that is not an option (jaxpar itself takes -h only). Its options
+    # come from its config classes, whose modules import jax: the other commands' are not loaded,
+    # and a signal while they load ends it as one that comes later would.
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    if chosen not in COMMANDS:  # none, or not one: the usage (or -h), or argparse's refusal
+        parser = _parser(None)
+        parser.parse_args(argv)
         parser.print_help()
         return EXIT_BAD_INPUT
-    from jaxpar.errors import JaxparError
-
-    command = {"train": _train, "bench": _bench, "compile": _compile, "launch": _launch, "checkpoints": _checkpoints,
-               "check": _check, "generate": _generate, "affinity": _affinity}[args.command]
     message = None
-    with _signals_end(args.command):
+    with _signals_end(chosen):
         try:
-            status = command(args)
+            status = COMMANDS[chosen](_parser(chosen).parse_args(argv))
         except JaxparError as err:  # bad input (2), or a job that ran and failed (JobFailed: 1)
             status, message = err.exit_status, str(err)
         except KeyboardInterrupt:
@@ -677,7 +627,7 @@ def main(argv=None) -> int:
         except _Terminated:
             status, message = EXIT_SIGTERM, "stopped by SIGTERM"
     if message:
-        print(f"jaxpar {args.command}: {message}", file=sys.stderr)
+        print(f"jaxpar {chosen}: {message}", file=sys.stderr)
     return status
 
 

@@ -31,6 +31,7 @@ import threading
 import time
 
 from jaxpar.errors import EXIT_BAD_INPUT, JaxparError, JobFailed
+from jaxpar.flags import flag
 
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
@@ -39,14 +40,22 @@ ENV_STATUS_DIR = "JAXPAR_STATUS_DIR"  # where each process reports its progress 
 ENV_RESUME = "JAXPAR_RESUME"  # "auto" on a restart: resume from the last complete checkpoint if any
 
 
+MULTI_HOST = "multi-host (jax.distributed; default: detect SLURM / Open MPI / Cloud TPU, else one process)"
+
+
 @dataclasses.dataclass(frozen=True)
 class DistributedArgs:
-    coordinator: str | None = None  # host:port of process 0
-    num_processes: int | None = None
-    process_id: int | None = None
-    mode: str = "auto"  # auto | on | off: "on" forces JAX's own cluster detection (e.g. Cloud TPU VMs)
-    init_timeout_s: int = 300  # how long to wait for every process to join
-    heartbeat_timeout_s: int = 100  # a process silent this long is declared dead by the coordinator
+    coordinator: str | None = flag(None, "address of process 0's coordination service", metavar="HOST:PORT", group=MULTI_HOST)
+    num_processes: int | None = flag(None, metavar="N", group=MULTI_HOST)
+    process_id: int | None = flag(None, metavar="I", group=MULTI_HOST)
+    # "on" forces JAX's own cluster detection (e.g. Cloud TPU VMs)
+    mode: str = flag("auto", "on: always call jax.distributed.initialize() (Cloud TPU VMs); off: never", name="distributed",
+                     choices=["auto", "on", "off"], group=MULTI_HOST)
+    init_timeout_s: int = flag(300, "seconds to wait for every process to join (default 300)", name="init-timeout",
+                               metavar="S", group=MULTI_HOST)
+    # declared dead by the coordinator
+    heartbeat_timeout_s: int = flag(100, "a process silent this long is declared dead (default 100)", name="heartbeat-timeout",
+                                    metavar="S", group=MULTI_HOST)
 
 
 def detect_cluster(environ=os.environ) -> str | None:
@@ -181,13 +190,21 @@ def read_progress(directory: str, rank: int) -> dict | None:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    processes: int = 2
-    devices_per_process: int | None = None  # simulated CPU devices each; None: the topology's chips / processes
-    max_restarts: int = 0
-    hang_timeout_s: float = 600.0  # once training runs: no progress report from any process for this long is a hang
-    startup_timeout_s: float = 1800.0  # before every process has reported its first step (imports, compiling)
-    port: int | None = None  # coordinator port on 127.0.0.1; None: a free one
-    status_dir: str | None = None  # None: a fresh temporary directory
+    # jaxpar launch's options (jaxpar.flags)
+    processes: int = flag(2, commands=("launch",), help="processes to start on this machine (default 2)")
+    # simulated CPU devices each; None: the topology's chips / processes
+    devices_per_process: int | None = flag(None, commands=("launch",), help="simulated CPU devices per process (default: the topology's chips / processes)")
+    max_restarts: int = flag(0, commands=("launch",), help="restart the whole job this many times after a failure (default 0)")
+    # once training runs: no progress report from any process for this long is a hang
+    hang_timeout_s: float = flag(600.0, name="hang-timeout", metavar="S", commands=("launch",),
+                                 help="once steps run, no progress from any process for S seconds is a hang (default 600)")
+    # before every process has reported its first step (imports, compiling)
+    startup_timeout_s: float = flag(1800.0, name="startup-timeout", metavar="S", commands=("launch",),
+                                    help="the same before every process has begun its first step: imports, compiling (default 1800)")
+    # coordinator port on 127.0.0.1; None: a free one
+    port: int | None = flag(None, commands=("launch",), help="coordinator port on 127.0.0.1 (default: a free one)")
+    # None: a fresh temporary directory
+    status_dir: str | None = flag(None, commands=("launch",), help="where processes report progress (default: a temporary directory)")
 
 
 def _free_port() -> int:

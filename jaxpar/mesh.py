@@ -90,19 +90,6 @@ def parse_spec(spec: str | dict[str, int], num_devices: int, axes: tuple[str, ..
     return ParallelSpec({a: items.get(a, 1) for a in axes}, frozenset(dcn_axes))
 
 
-_TRUE, _FALSE = {"on", "1", "true", "yes"}, {"off", "0", "false", "no"}
-
-
-def parse_flag(key: str, value: str) -> bool:
-    """An on/off option of a strategy string (``sp=on``)."""
-    v = value.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise SpecError(f"option {key}={value!r}: use on or off")
-
-
 def split_ici_dcn(spec: ParallelSpec, num_slices: int) -> tuple[dict[str, int], dict[str, int]]:
     """Split the degrees into (ICI, DCN) parts: DCN takes ``num_slices`` from the outermost axes.
 

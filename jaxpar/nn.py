@@ -11,7 +11,7 @@ path instead (``train/gspmd.py``), where XLA places the collectives.
   devices it is split over, and sums across it;
 - ``embed_lookup``, ``cross_entropy``: vocab-parallel embedding and next-token loss;
 - ``start_delayed``, ``residual_add``, ``finish_delayed``: the residual stream's adds, where
-  delayed tensor parallelism (``delay=1``, ``parallel/delayed.py``) reads each sublayer's sum one
+  delayed tensor parallelism (``delay=1``, ``parallel/delayed/``) reads each sublayer's sum one
   sublayer late;
 - ``block_share(batch, block_size)``: a block diffusion loss's share of a batch under block
   parallelism (its runtime: ``parallel/block/blocks.py``).
@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from jaxpar.errors import LayoutError
 from jaxpar.parallel.block import blocks
 from jaxpar.parallel.overlap import OVERLAPPED, collective_matmul
+from jaxpar.parallel.delayed import residual
 from jaxpar.parallel.tensor import DELAYED
-from jaxpar.rules import _ACTIVE, _CALLS, Layout, Names, _called, stored_table, vary_over, varying_axes
+from jaxpar.rules import _ACTIVE, Layout, Names, _called, manual_layout, stored_table, vary_everywhere, vary_over, varying_axes
 
 block_share = blocks.share  # a block diffusion loss's share of a batch (block parallelism's runtime)
 
@@ -43,13 +44,6 @@ block_share = blocks.share  # a block diffusion loss's share of a batch (block p
 def _check_rank(x, names):
     if x.ndim != len(names):
         raise LayoutError(f"array of shape {x.shape} was given {len(names)} logical names {tuple(names)}; give one per dim")
-
-
-def _manual_layout(call: str) -> Layout | None:
-    """Record the model's ``call``; the active layout when inside jaxpar's manual step, else None."""
-    _called(call)
-    active = _ACTIVE.get()
-    return active.layout if active is not None and active.manual else None
 
 
 def constrain(x, names: Names):
@@ -73,13 +67,13 @@ def enter_block(x, src: Names, dst: Names, then=None):
     ``src`` dims is split over: it holds a partial sum that was never finished (see ``_unfinished``)."""
     _check_rank(x, dst)
     then = then or (lambda h: h)
-    layout = _manual_layout("enter_block")
+    layout = manual_layout("enter_block")
     if layout is None:
         return then(constrain(x, dst))
     _refuse_unfinished_sum(x, src, layout, "enter_block")
     # The block's work is split over every mesh axis; marking x as varying once here makes the
     # backward pass sum x's gradient in one all-reduce (Megatron's f), not one per use of x.
-    x = _vary_everywhere(x, layout)
+    x = vary_everywhere(x, layout)
     ring = None
     for dim, (s, d) in enumerate(zip(src, dst)):
         lost = tuple(a for a in layout.axes_of(s) if a not in layout.axes_of(d))
@@ -146,7 +140,7 @@ def reduce_partial(x, contracted: Sequence[str], dst: Names, project=None):
 
     Reduce-scatters along a ``dst`` dim that the summed mesh axes shard (Megatron sequence
     parallelism), all-reduces otherwise (Megatron tensor parallelism)."""
-    layout = _manual_layout("reduce_partial")
+    layout = manual_layout("reduce_partial")
     if layout is None or project is None:
         x, project = (x if project is None else project(x)), None
         _check_rank(x, dst)
@@ -168,35 +162,15 @@ def reduce_partial(x, contracted: Sequence[str], dst: Names, project=None):
 # --- the residual stream: each sublayer's finished sum added, now or (delayed TP) one sublayer late ---
 
 
-def _delay_axes(call: str) -> tuple[str, ...]:
-    layout = _manual_layout(call)
-    active = _ACTIVE.get()
-    probing = _CALLS.get() is not None  # the trainer's trace that only records which calls a model makes
-    if layout is None and active is not None and active.layout.role(DELAYED) and not probing:
-        raise LayoutError("the layout delays tensor parallelism's sums (delay=1), which only jaxpar's manual step "
-                          "(shard_map) can run: each device keeps a residual stream of its own. Run the model through "
-                          "jaxpar's Trainer or serving Decoder, or drop delay=1")
-    return () if layout is None else layout.role(DELAYED)
-
-
 def start_delayed(x, names: Names):
     """``(x, pending)``: the residual stream ``x`` (laid out as ``names``) entering a model's first
     sublayer, and the partial sum still to be added to it, to carry from sublayer to sublayer with
     ``residual_add`` (None, unless the layout delays: then zeros, and ``x`` becomes this device's
-    own copy of the stream)."""
+    own copy of the stream: ``parallel/delayed/residual.py``)."""
     _check_rank(x, names)
-    if not _delay_axes("start_delayed"):
+    if not residual.delayed_axes("start_delayed"):
         return x, None
-    # a sublayer's output varies over every mesh axis (enter_block makes its input so); the stream
-    # it is added to, carried through a layer scan, must have the same type from the start
-    layout = _ACTIVE.get().layout
-    x = _vary_everywhere(x, layout)
-    return x, _vary_everywhere(jnp.zeros_like(x), layout)
-
-
-def _vary_everywhere(x, layout: Layout):
-    """``x`` marked as differing over every mesh axis of ``layout`` (of degree above 1)."""
-    return vary_over(x, [a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1])
+    return residual.start(x)
 
 
 def residual_add(x, partial, contracted: Sequence[str], names: Names, pending=None, project=None):
@@ -209,19 +183,13 @@ def residual_add(x, partial, contracted: Sequence[str], names: Names, pending=No
     partial, whose all-reduce was issued when it was made), and ``partial`` becomes the pending
     sum; the all-reduce of this sublayer's sum is then read only by the next sublayer's add."""
     _check_rank(x, names)
-    axes = _delay_axes("residual_add")
+    axes = residual.delayed_axes("residual_add")
     if pending is None:
         if axes:
             raise LayoutError("residual_add under delay=1 needs the pending partial sum: start the residual stream with "
                               "jaxpar.nn.start_delayed and carry what residual_add returns from sublayer to sublayer")
         return x + reduce_partial(partial, contracted, names, project), None
-    partial = partial if project is None else project(partial)
-    summed = sorted({a for name in contracted for a in _ACTIVE.get().layout.axes_of(name)})
-    if summed != sorted(axes):
-        raise LayoutError(f"residual_add: the partial sums over logical axes {tuple(contracted)} are split over mesh axes "
-                          f"{summed}, but the layout delays the sums over {list(axes)}: only a sublayer whose sum runs over "
-                          f"exactly those axes can be delayed")
-    return x + partial + (jax.lax.psum(pending, axes) - pending), partial
+    return residual.add_late(x, partial if project is None else project(partial), pending, contracted, axes)
 
 
 def finish_delayed(x, pending):
@@ -229,13 +197,12 @@ def finish_delayed(x, pending):
     device's copy then holds the same values)."""
     if pending is None:
         return x
-    axes = _delay_axes("finish_delayed")
-    return x + (jax.lax.psum(pending, axes) - pending)
+    return residual.finish(x, pending, residual.delayed_axes("finish_delayed"))
 
 
 def shard_offset(names: Names, dim: int, local_size: int):
     """Index of the first entry of this device's shard along logical dim ``names[dim]`` (0 on one device)."""
-    layout = _manual_layout("shard_offset")
+    layout = manual_layout("shard_offset")
     if layout is None:
         return 0
     index = 0
@@ -246,13 +213,13 @@ def shard_offset(names: Names, dim: int, local_size: int):
 
 def shard_count(names: Names, dim: int) -> int:
     """Devices logical dim ``names[dim]`` is split over (1 on one device)."""
-    layout = _manual_layout("shard_count")
+    layout = manual_layout("shard_count")
     return 1 if layout is None else math.prod(layout.mesh.shape[a] for a in layout.axes_of(names[dim]))
 
 
 def sum_over(x, names: Names, dims: Sequence[int], op: str = "sum"):
     """Reduce ``x`` (``op`` = sum or max) over ``dims``, across devices too where those dims are sharded."""
-    layout = _manual_layout("sum_over")
+    layout = manual_layout("sum_over")
     local = jnp.sum(x, axis=tuple(dims)) if op == "sum" else jnp.max(x, axis=tuple(dims))
     if layout is None:
         return local
@@ -275,7 +242,7 @@ def embed_lookup(table, tokens, out_names: Names, table_names: Names = ("vocab",
     hands each its own tokens' whole rows (the gradient comes back the same way and is summed into
     the stored shard, so no reduce-scatter of a gradient the table's size, nor a gathered table,
     is ever held)."""
-    layout = _manual_layout("embed_lookup")
+    layout = manual_layout("embed_lookup")
     stored = stored_table(table) if layout is not None else None
     if stored is None:
         return _lookup(table[...] if hasattr(table, "get_raw_value") else table, tokens, out_names, table_names)

@@ -242,6 +242,18 @@ def vary_over(x, axes):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def vary_everywhere(x, layout: Layout):
+    """``x`` marked as differing over every mesh axis of ``layout`` (of degree above 1)."""
+    return vary_over(x, [a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1])
+
+
+def manual_layout(call: str) -> Layout | None:
+    """Record a model's jaxpar ``call``; the active layout when inside jaxpar's manual step, else None."""
+    _called(call)
+    active = _ACTIVE.get()
+    return active.layout if active is not None and active.manual else None
+
+
 def logical_names(variable) -> tuple[str | None, ...] | None:
     """Logical names of an nnx Variable (from ``nnx.with_partitioning``), or None if it has none."""
     meta = variable.get_metadata()

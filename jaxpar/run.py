@@ -20,33 +20,51 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import jax
 import numpy as np
 
+from jaxpar import flags, parallel
 from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
-from jaxpar.models import CONFIGS, bd3lm, model_and_loss, model_config, model_family
-from jaxpar.parallel import Strategy, build_layout, parse_strategy
-from jaxpar.parallel import schedules
-from jaxpar.parallel.block.blocks import check_degree
+from jaxpar.models import CONFIGS, FAMILIES, family_of, model_and_loss, model_config
+from jaxpar.models.family import Family
+from jaxpar.parallel import STRATEGIES, Strategy, build_layout, check_model, parse_strategy, schedules
 from jaxpar.topology import Topology
 from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
+from jaxpar.train.placement import BatchPlacement
+from jaxpar.train.plan import Plan, make_plan
 from jaxpar.train.step import TrainConfig, Trainer, nonfinite_message
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    model: str = "tiny"
-    strategy: str = "fsdp=4,tensor=2"
-    steps: int = 300
-    batch_size: int = 16
-    seq_len: int = 128
-    seed: int = 0
-    packing: bool = False  # rows of whole documents (train.data.packed_batch_at), not windows of the stream
-    block_size: int | None = None  # a block diffusion model's blocks (None: its config's)
-    window: int | None = None  # a block diffusion model's sliding window in tokens (None: its config's)
+    # each flag is an option of the commands it names (jaxpar.flags), with train's default here
+    model: str = flags.flag("tiny", commands=("train", "compile", "check", "bench"), help={
+        "train": "tiny | llama-1b | llama2-7b | llama3-8b | llama2-70b | bd3lm-tiny | bd3lm-8b"})
+    strategy: str = flags.flag("fsdp=4,tensor=2", commands=("train", "compile", "check"), help={
+        "train": 'parallel spec and options, e.g. "data=2,fsdp=-1,tensor=2,zero=3,sp=off"',
+        "compile": 'parallel spec and options, e.g. "fsdp=-1,regather=auto" (as for train)'})
+    steps: int = flags.flag(300, commands=("train", "bench"), help={"bench": "steps per strategy (the first, which compiles, is not timed)"})
+    batch_size: int = flags.flag(16, commands=("train", "compile", "check", "bench"), help={
+        "train": "global batch, in sequences", "compile": "global batch, in sequences",
+        "check": "global batch, in sequences (small: one step of each)"})
+    seq_len: int = flags.flag(128, commands=("train", "compile", "check", "bench"), help={
+        "compile": "tokens per sequence (a block diffusion model reads twice as many: [x_t ; x_0])"})
+    seed: int = flags.flag(0, commands=("train", "check"))
+    # rows of whole documents (train.data.packed_batch_at), not windows of the stream
+    packing: bool = flags.flag(False, **flags.ON_OFF, help="on: rows of whole documents with segment ids, loss over real tokens; off: windows of the text")
+    # a block diffusion model's blocks (None: its config's)
+    block_size: int | None = flags.flag(None, commands=("train", "compile"), help={
+        "train": "block diffusion models (bd3lm-*): tokens per block, dividing --seq-len (default 16)",
+        "compile": "block diffusion models (bd3lm-*): tokens per block, dividing --seq-len"})
+    # a block diffusion model's sliding window in tokens (None: its config's)
+    window: int | None = flags.flag(None, commands=("train", "compile"), help={
+        "train": "block diffusion models: the clean tokens before a block that it attends to, whole blocks "
+                 "(a sliding window; default the whole prefix)",
+        "compile": "block diffusion models: a sliding window of clean tokens, whole blocks (as for train)"})
     train: TrainConfig = TrainConfig()
     # TrainConfig fields set on purpose even where they equal the default (the CLI's flags): like
     # any other non-default value, they are refused when the layout would ignore them
@@ -113,62 +131,38 @@ def check_run(run: RunConfig, checkpoint: CheckpointConfig | None = None, resume
 
 
 def run_model_config(run: RunConfig):
-    """The config of the run's model, with its ``--block-size`` and ``--window`` (block diffusion
-    models only); refuses a block size that does not divide ``--seq-len`` and options the model
-    cannot take."""
+    """The config of the run's model with the options only its family takes (``--block-size`` and
+    ``--window`` for block diffusion models: ``Family.configure``); refuses another family's
+    options, and ``--packing`` for a family that does not pack documents."""
     cfg = model_config(run.model)
-    if model_family(cfg) != "bd3lm":
-        for flag, value in (("--block-size", run.block_size), ("--window", run.window)):
-            if value is not None:
-                raise JaxparError(f"{flag} {value} is for block diffusion models (e.g. --model bd3lm-tiny); "
-                                  f"{run.model} is autoregressive: drop it")
-        return cfg
-    if run.packing:
-        raise JaxparError(f"--packing on packs documents for next-token models; {run.model} trains on windows of "
-                          f"--seq-len tokens, split into blocks: drop --packing")
-    if run.block_size is not None:
-        bd3lm.check_block_size(run.block_size)
-        cfg = dataclasses.replace(cfg, block_size=run.block_size)
-    if run.window is not None:
-        bd3lm.check_window(run.window, cfg.block_size)
-        cfg = dataclasses.replace(cfg, window=run.window)
-    bd3lm.check_blocks(run.seq_len, cfg.block_size)
-    return cfg
-
-
-# Mesh axes the Llama cannot run on yet, and what it lacks: rules.py maps logical axes onto them,
-# but models/llama.py has no expert layers.
-LLAMA_UNSUPPORTED_AXES = {
-    "expert": "it has no mixture-of-experts layers to split",
-    "block": "block parallelism splits a block diffusion model's noisy blocks (e.g. --model bd3lm-tiny)",
-}
+    family = family_of(cfg)
+    for other in FAMILIES.values():
+        for option in other.options:
+            value = getattr(run, option)
+            if option not in family.options and value is not None:
+                example = next(iter(other.configs))
+                raise JaxparError(f"--{option.replace('_', '-')} {value} is for {other.words}s (e.g. --model {example}); "
+                                  f"{run.model} is a {family.words}: drop it")
+    if run.packing and not family.packing:
+        raise JaxparError(f"--packing on packs documents for next-token models; {run.model} ({family.words}) trains on "
+                          f"windows of --seq-len tokens: drop --packing")
+    return family.configure(cfg, run.seq_len, **{option: getattr(run, option) for option in family.options})
 
 
 def check_model_axes(strategy: Strategy, model: str):
-    """Refuse a strategy with a mesh axis the model cannot use yet, suggesting the same degrees
-    with that axis folded into ``data``."""
-    degrees = strategy.spec.degrees
-    unsupported = dict(LLAMA_UNSUPPORTED_AXES)
-    if model in CONFIGS and model_family(CONFIGS[model]) == "bd3lm":
-        del unsupported["block"]
-    for axis, why in unsupported.items():
-        written = strategy.block_ranks if axis == "block" else degrees[axis]  # CSBP's mesh axis is P / C
-        if written > 1:
-            spec = dataclasses.replace(strategy.spec, degrees=dict(degrees, **{axis: 1, "data": degrees["data"] * degrees[axis]}))
-            instead = dataclasses.replace(strategy, spec=spec)
-            raise JaxparError(
-                f"the {axis} axis is not supported by model {model} yet: {why}; drop {axis}={written} "
-                f"from the strategy, e.g. --strategy {instead}"
-            )
-
-
-def check_block_degree(strategy: Strategy, cfg, seq_len: int):
-    """Refuse, before anything is placed on a device, block parallelism the run's diffusion blocks
-    cannot be split by: P devices own them in pairs (``Strategy.block_ranks``: the mesh's ``block``
-    axis is P / C under CSBP). 2P blocks also split the clean half over the C ring ranks and let
-    ``clean_kv=fetch`` deal them, C dividing P."""
-    if strategy.block_ranks > 1:
-        check_degree(seq_len // cfg.block_size, strategy.block_ranks)
+    """Refuse a strategy with a mesh axis that needs something the model lacks (``NEEDS_MODEL`` of
+    its strategy, ``Family.axes``), suggesting the same degrees with that axis folded into ``data``."""
+    degrees, written = strategy.spec.degrees, strategy.written_degrees
+    family = family_of(model_config(model)) if model in CONFIGS else None
+    for module in STRATEGIES:
+        for axis in module.AXES if module.NEEDS_MODEL else ():
+            if written.get(axis, 1) > 1 and (family is None or axis not in family.axes):
+                spec = dataclasses.replace(strategy.spec, degrees=dict(degrees, **{axis: 1, "data": degrees["data"] * degrees[axis]}))
+                instead = dataclasses.replace(strategy, spec=spec)
+                raise JaxparError(
+                    f"the {axis} axis is not supported by model {model} yet: {module.NEEDS_MODEL}; drop {axis}={written[axis]} "
+                    f"from the strategy, e.g. --strategy {instead}"
+                )
 
 
 def check_unused_options(run: RunConfig, strategy: Strategy):
@@ -206,10 +200,10 @@ def check_fits_fully_sharded(num_params: int, topology: Topology, model: str = "
         )
 
 
-def check_state_fits(trainer: Trainer, topology: Topology, what: str):
-    """Refuse a layout whose weights and optimizer state alone, as its shardings store them,
-    exceed one chip's memory (gradients and activations come on top)."""
-    need = sum(trainer.stored_bytes_per_device().values())
+def check_state_fits(state, topology: Topology, what: str):
+    """Refuse a layout whose weights and optimizer state alone, as ``state`` (a ShardedState or a
+    Trainer) stores them, exceed one chip's memory (gradients and activations come on top)."""
+    need = sum(state.stored_bytes_per_device().values())
     if need > topology.hbm_bytes:
         raise JaxparError(
             f"{what} keeps {size_text(need)} of weights and optimizer state on each device, more than the "
@@ -236,22 +230,50 @@ def devices_for(topology: Topology):
     return devices[: topology.num_chips]
 
 
-def build_trainer(run: RunConfig, topology: Topology):
-    """(Trainer, parsed strategy, model config) of a run: its Llama under its strategy on the
-    topology's devices. Nothing is allocated; a state that cannot fit in the topology's memory, a
-    mesh axis the model cannot use and options the layout would ignore are refused first."""
-    cfg = run_model_config(run)
-    check_fits_fully_sharded(cfg.num_params(), topology, run.model)
-    devices = devices_for(topology)
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """Every decision of a run (``plan_run``): its model, strategy and layout, and its step's
+    ``Plan`` (path, regather, remat, reductions, compile options) on the run's batch ``example``."""
+
+    run: RunConfig
+    model_cfg: Any
+    family: Family
+    strategy: Strategy
+    step: Plan
+    example: Any  # the run's batch as ShapeDtypeStructs, laid out as the step takes it
+
+
+def plan_run(run: RunConfig, topology: Topology, devices=None, model_cfg=None, must_fit: bool = True) -> RunPlan:
+    """One pass over a run's decisions, each refusal with the value and the fix, before anything
+    is compiled or allocated: the model and its family's options, the fit, the strategy against
+    the model and the options, the layout on ``devices`` (default: the topology's), the batch's
+    splits, and the step's plan on the run's batch (``train.plan.make_plan``). ``model_cfg``: a
+    config to use instead of ``run.model``'s; ``must_fit``: refuse a state that cannot fit (a
+    compile reports it instead)."""
+    cfg = model_cfg if model_cfg is not None else run_model_config(run)
+    name = run.model if model_cfg is None else "the model"
+    check_fits_fully_sharded(cfg.num_params(), topology, name)
+    devices = devices_for(topology) if devices is None else devices
     strategy = parse_strategy(run.strategy, len(devices))
-    check_model_axes(strategy, run.model)
-    check_block_degree(strategy, cfg, run.seq_len)
+    check_model_axes(strategy, name)
+    check_model(strategy, cfg, run.seq_len)
     check_unused_options(run, strategy)
     layout = build_layout(strategy, devices, num_slices=topology.num_slices)
     train_cfg = dataclasses.replace(run.train, total_steps=run.steps, memory_bytes=run.train.memory_bytes or topology.hbm_bytes)
-    trainer = Trainer(layout, *model_and_loss(cfg), train_cfg)
-    check_state_fits(trainer, topology, f"{run.model} under {strategy}")
-    return trainer, strategy, cfg
+    family = family_of(cfg)
+    placement = BatchPlacement(layout, train_cfg.microbatches)
+    placement.check(np.zeros((run.batch_size, 1)), run.seq_len)  # the batch and sequence splits
+    example = placement.abstract(run.batch_size, run.seq_len, packed=run.packing, fields=family.batch_fields(run.seq_len))
+    step = make_plan(layout, *model_and_loss(cfg), train_cfg, batch=example)
+    if must_fit:
+        check_state_fits(step.sharded_state, topology, f"{name} under {strategy}")
+    return RunPlan(run, cfg, family, strategy, step, example)
+
+
+def build_trainer(run: RunConfig, topology: Topology):
+    """(Trainer, parsed strategy, model config) of a run (``plan_run``); nothing is allocated."""
+    plan = plan_run(run, topology)
+    return Trainer.from_plan(plan.step), plan.strategy, plan.model_cfg
 
 
 def _scalar(x) -> float:
@@ -264,37 +286,20 @@ class NothingToDo(JaxparError):
     nothing in the directory is written or deleted (``jaxpar train`` says so and exits 0)."""
 
 
-def _delayed_over(strategy: Strategy) -> int:
-    """The tensor degree whose all-reduces ``strategy`` delays with ``delay=1``, else 0: delayed TP
-    is another function, and one per tensor degree."""
-    return strategy.degrees["tensor"] if strategy.options["delay"] else 0
-
-
 def check_same_function(run: RunConfig, cfg, strategy: Strategy, directory: str, meta: dict):
     """Refuse to resume a checkpoint as another function of the same weights than it was trained
-    as (the arrays' shapes do not tell): another model, a BD3-LM's other block size or window,
-    delayed TP switched on or off or over another tensor degree. Reads only the checkpoint's meta."""
+    as (the arrays' shapes do not tell): another model, another config of its family
+    (``Family.changed``: a BD3-LM's blocks or window), another function by a strategy
+    (``changed`` of the strategies: delayed TP on or off). Reads only the checkpoint's meta."""
     where, afresh = f"checkpoint {meta['step']} in {directory}", "or choose another --checkpoint-dir to train afresh"
     if meta.get("model") != run.model:
         raise JaxparError(f"{where} holds model {meta.get('model')}, and this run is --model {run.model}: pass --model "
                           f"{meta.get('model')} to resume it, {afresh}")
-    if model_family(cfg) == "bd3lm":
-        saved = meta.get("block_size") or CONFIGS[run.model].block_size  # runs before it was recorded: the config's
-        if saved != cfg.block_size:
-            given = f"--block-size {cfg.block_size}" + (" (the default)" if run.block_size is None else "")
-            raise JaxparError(f"{where} was trained with --block-size {saved}, and this run has {given}: other blocks make "
-                              f"another function of the same weights; pass --block-size {saved} to resume it, {afresh}")
-        if meta.get("window") != cfg.window:
-            said = lambda w: f"--window {w}" if w else "no --window (the whole prefix)"  # noqa: E731
-            fix = f"pass --window {meta['window']}" if meta.get("window") else "drop --window"
-            raise JaxparError(f"{where} was trained with {said(meta.get('window'))}, and this run has {said(cfg.window)}: "
-                              f"another window makes another function of the same weights; {fix} to resume it, {afresh}")
-    saved, given = _delayed_over(parse_strategy(meta["strategy"], meta["devices"])), _delayed_over(strategy)
-    if saved != given:
-        said = lambda d: f"delay=1 over tensor={d}" if d else "no delay=1"  # noqa: E731
-        fix = f"resume with tensor={saved},delay=1 in --strategy" if saved else "drop delay=1 from --strategy to resume it"
-        raise JaxparError(f"{where} was trained under {meta['strategy']} ({said(saved)}), and this run's strategy {strategy} has "
-                          f"{said(given)}: delayed TP is another function of the same weights, one per tensor degree; {fix}, {afresh}")
+    family = family_of(cfg)
+    why = family.changed(cfg, meta, {option: getattr(run, option) for option in family.options})
+    why = why or parallel.changed(parse_strategy(meta["strategy"], meta["devices"]), strategy)
+    if why:
+        raise JaxparError(f"{where} {why}, {afresh}")
 
 
 def _open_checkpoints(trainer: Trainer, checkpoint: CheckpointConfig | None, resume: str) -> Checkpointer | None:
@@ -345,8 +350,8 @@ def rows_at(run: RunConfig, cfg):
     ``--packing``)."""
     if run.packing:  # whole documents packed into rows
         make = data.packed_batch_at
-    elif model_family(cfg) == "bd3lm":  # windows of the token stream, each block corrupted at a noise level of its own
-        make = functools.partial(data.diffusion_batch_at, cfg=cfg)
+    elif family_of(cfg).rows is not None:  # windows of the token stream made into the family's rows (BD3-LM: corrupted)
+        make = functools.partial(data.family_batch_at, family=family_of(cfg), cfg=cfg)
     else:  # random windows of the token stream
         make = data.local_batch_at
     return lambda corpus, step, first, stop: make(corpus, step, run.batch_size, run.seq_len, run.seed, first, stop)
@@ -407,25 +412,21 @@ def run_training(
     check_run(run, checkpoint, resume)
     lead = jax.process_index() == 0
     log = (lambda msg: print(msg, file=progress, flush=True)) if (progress and lead) else (lambda msg: None)
-    trainer, strategy, cfg = build_trainer(run, topology)
+    plan = plan_run(run, topology)
+    trainer, strategy, cfg, family = Trainer.from_plan(plan.step), plan.strategy, plan.model_cfg, plan.family
     tokens, held_out = data.split_corpus(data.corpus_tokens())
     if run.seq_len >= len(held_out):
         raise JaxparError(f"--seq-len {run.seq_len} is longer than the held-out text ({len(held_out)} tokens); use a shorter one")
-    trainer.check_batch(np.zeros((run.batch_size, 1)), run.seq_len)
     ckpt = _open_checkpoints(trainer, checkpoint, resume)
     try:
         check_meta = functools.partial(check_same_function, run, cfg, strategy, ckpt.directory) if ckpt else None
         state, start, resumed = _start_state(trainer, run, ckpt, resume, log, check_meta)
         if on_start is not None:
             on_start()
-        diffusion = model_family(cfg) == "bd3lm"
-        example = trainer.abstract_batch(run.batch_size, run.seq_len, packed=run.packing, diffusion=diffusion)
-        compiled = trainer.jit_step(example).lower(state, example).compile()
+        compiled = trainer.jit_step(plan.example).lower(state, plan.example).compile()
         meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": trainer.layout.mesh.size,
                 "processes": jax.process_count()}
-        if diffusion:  # the sampler reads the blocks (and the window) the model was trained on; so does a resume
-            meta["block_size"] = cfg.block_size
-            meta["window"] = cfg.window
+        meta.update(family.meta(cfg))  # what the sampler and a resume read (a BD3-LM's blocks and window)
         train, held, batch_of = _batches(run, trainer, cfg, tokens, held_out)
         state, steps = _train_steps(run, trainer, compiled, state, start, resumed, lambda step: batch_of(train, step), ckpt, meta,
                                     progress if lead else None, catch_signals)
@@ -440,7 +441,7 @@ def run_training(
         # the compiled step's loss is the loss at the weights it is given (before its update): one
         # more call of it on a held-out batch, whose updated state is dropped, costs no compile
         held_out_loss = _scalar(compiled(state, batch_of(held, 0))[1]["loss"])
-    model_length = 2 * run.seq_len if diffusion else run.seq_len  # a block diffusion model reads [x_t ; x_0]
+    model_length = family.reads(run.seq_len)  # a block diffusion model reads [x_t ; x_0]
     analysis = analyze(trainer, compiled, strategy, cfg, (run.batch_size, model_length)) if analyze else {}
     return _report(run, topology, trainer, strategy, cfg, start, steps, held_out_loss, model_length, analysis, ckpt)
 
@@ -525,8 +526,8 @@ def _report(run: RunConfig, topology: Topology, trainer: Trainer, strategy: Stra
         "grad_norms": steps.grad_norms,
         "nonfinite": steps.nonfinite,
         "skipped_steps": steps.skipped,
-        "path": {"name": trainer.path, "reason": trainer.path_reason},
-        "fsdp_policy": {"regather": trainer.regather, "reason": trainer.regather_reason},
+        "path": {"name": trainer.plan.path, "reason": trainer.plan.path_reason},
+        "fsdp_policy": {"regather": trainer.plan.regather, "reason": trainer.plan.regather_reason},
         "grad_sync": _grad_sync_report(trainer),
         "step_times_s": steps.times,
         "held_out_loss": held_out_loss,
@@ -575,7 +576,7 @@ def interruption_message(report: dict) -> str:
 
 
 def _grad_sync_report(trainer: Trainer) -> dict:
-    sync = trainer.grad_sync
+    sync = trainer.plan.grad_sync
     if sync is None:
         return {"name": "exact", "axes": [], "bits": None}
     return {"name": sync.name, "axes": list(sync.axes), "bits": sync.bits}

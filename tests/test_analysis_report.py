@@ -134,7 +134,7 @@ def test_pipeline_memory_and_stage_traffic():
     report = traffic.compare(step.as_text(), trainer, strategy, (BATCH, SEQ), TINY)
     activation = BATCH // (m * 2) * SEQ * TINY.embed * 4  # a micro-batch's rows on one device, float32
     assert report["collective-permute"]["optimal_bytes"] == 2 * m * activation
-    assert report["by_axes"]["collective-permute over stage"]["bytes_per_device"] == 2 * trainer.schedule.ticks * activation
+    assert report["by_axes"]["collective-permute over stage"]["bytes_per_device"] == 2 * trainer.plan.schedule.ticks * activation
     # embedding and head split over tensor, all three edge weights stored split over fsdp (ZeRO-3)
     edge = (2 * TINY.vocab_size * TINY.embed / 2 + TINY.embed) / 2
     assert report["by_axes"]["all-reduce over stage"]["bytes_per_device"] == pytest.approx(edge * 4, rel=0.02)

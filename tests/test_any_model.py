@@ -143,7 +143,7 @@ def assert_equal_to_one_device(got, want, start):
 @pytest.mark.parametrize("spec", LAYOUTS)
 def test_plain_flax_model_equals_one_device(spec):
     got = train(spec, 8)
-    assert got[0].path == "gspmd" and "out_sharding" in got[0].path_reason
+    assert got[0].plan.path == "gspmd" and "out_sharding" in got[0].plan.path_reason
     assert_equal_to_one_device(got, reference(), initial_params())
 
 
@@ -151,7 +151,7 @@ def test_plain_flax_model_equals_one_device(spec):
 @pytest.mark.parametrize("spec", LAYOUTS + ["fsdp=8,param_shards=4"])
 def test_stacked_plain_flax_model_equals_one_device(spec):
     got = train(spec, 8, stacked=True, out_sharding=False)
-    assert got[0].path == "gspmd"
+    assert got[0].plan.path == "gspmd"
     assert_equal_to_one_device(got, reference(stacked=True, out_sharding=False), initial_params(stacked=True, out_sharding=False))
 
 
@@ -159,7 +159,7 @@ def test_stacked_plain_flax_model_runs_as_a_pipeline():
     # no pipeline code in the model: the step cuts its traced loss at the nnx.scan over its layers
     # (one layer per stage here), on jaxpar's manual path; 2 micro-batches of 4 rows
     got = train("stage=2,fsdp=4", 8, dataclasses.replace(CFG, microbatches=2), stacked=True, out_sharding=False)
-    assert got[0].path == "manual" and "pipelines" in got[0].path_reason
+    assert got[0].plan.path == "manual" and "pipelines" in got[0].plan.path_reason
     assert_equal_to_one_device(got, reference(stacked=True, out_sharding=False), initial_params(stacked=True, out_sharding=False))
 
 
@@ -209,7 +209,7 @@ def test_the_framework_recomputes_each_layer_of_a_stacked_model():
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
         norm[remat] = float(compiled(state, batch)[1]["grad_norm"])
     print(f"temporaries: remat=full {temp['full']:,} bytes, none {temp['none']:,}")
-    assert trainer.path == "gspmd" and temp["full"] < 0.7 * temp["none"], temp
+    assert trainer.plan.path == "gspmd" and temp["full"] < 0.7 * temp["none"], temp
     assert norm["full"] == pytest.approx(norm["none"], rel=1e-6)
 
 
@@ -229,11 +229,11 @@ def test_regather_auto_keeps_the_gathered_weights_on_the_gspmd_path():
     layout = build_layout(parse_strategy("fsdp=8", 8), aliases=ALIASES)
     tight = dataclasses.replace(CFG, memory_bytes=2**18)
     trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, stacked=True, out_sharding=False), user_loss, tight, optimizer=OPTIMIZER)
-    assert trainer.regather, trainer.regather_reason
+    assert trainer.plan.regather, trainer.plan.regather_reason
     batch = trainer.abstract_batch(8, 16)
     trainer.jit_step(batch).lower(trainer.abstract_state(), batch)  # the first trace chooses the path
-    assert trainer.path == "gspmd" and not trainer.regather
-    assert "the GSPMD path cannot gather again, so they are kept" in trainer.regather_reason
+    assert trainer.plan.path == "gspmd" and not trainer.plan.regather
+    assert "the GSPMD path cannot gather again, so they are kept" in trainer.plan.regather_reason
 
 
 # --- options the GSPMD path cannot apply are refused, not silently dropped (issue 27) ------------

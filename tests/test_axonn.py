@@ -61,7 +61,7 @@ def compiled_collectives(trainer, host_batch):
 @pytest.mark.parametrize("strategy", FACTORISATIONS)
 def test_axonn_layout_trains_like_one_device(strategy, trained, llama_oracle):
     trainer, ours = trained(strategy)
-    assert trainer.path == "gspmd" and "tp_x" in trainer.path_reason
+    assert trainer.plan.path == "gspmd" and "tp_x" in trainer.plan.path_reason
     assert_same(ours, llama_oracle)
 
 
@@ -120,7 +120,7 @@ def plain_loss(model, batch):
 def test_plain_flax_model_under_axonn_trains_like_one_device():
     trainer = Trainer(build_layout(parse_strategy("data=2,tp_x=2,tp_y=2", 8)), PlainMLP, plain_loss, CFG, optimizer=OPTIMIZER)
     assert_same(sharded(trainer, PlainMLP, plain_loss, regression_batches()), oracle(PlainMLP, plain_loss, regression_batches()))
-    assert trainer.path == "gspmd"
+    assert trainer.plan.path == "gspmd"
     # the up kernel is stored (embed over tp_x, mlp over tp_y), as computed
     assert trainer.param_specs["up"]["kernel"] == jax.sharding.PartitionSpec("tp_x", "tp_y")
     # AxoNN's all-reduces, 8 rows a device: up's output (mlp/Y = 32 wide) over X, down's (embed/X = 8)
@@ -149,10 +149,8 @@ def test_bad_grids_are_refused_in_words(strategy, words):
 
 def test_manual_path_is_refused_for_a_split_model_width():
     cfg = dataclasses.replace(CFG, path="manual")
-    trainer = Trainer(build_layout(parse_strategy("data=2,tp_x=2,tp_y=2", 8)), PlainMLP, plain_loss, cfg)
-    batch = jax.ShapeDtypeStruct((16, 32), np.float32)
-    with pytest.raises(LayoutError, match=r"path='manual'.*embed.*tp_x.*GSPMD.*path='auto'"):
-        trainer.choose_path(trainer.abstract_state().params, batch)
+    with pytest.raises(LayoutError, match=r"path='manual'.*embed.*tp_x.*GSPMD.*path='auto'"):  # in the plan, before any trace
+        Trainer(build_layout(parse_strategy("data=2,tp_x=2,tp_y=2", 8)), PlainMLP, plain_loss, cfg)
 
 
 def test_a_split_model_width_alone_takes_the_gspmd_path():
@@ -160,4 +158,4 @@ def test_a_split_model_width_alone_takes_the_gspmd_path():
     trainer = Trainer(build_layout(parse_strategy("tp_x=2,fsdp=4", 8)), llama_model, llama.loss_fn, CFG)
     batch = jax.ShapeDtypeStruct((16, SEQ + 1), np.int32)
     assert trainer.choose_path(trainer.abstract_state().params, batch) == "gspmd"
-    assert "tp_x" in trainer.path_reason
+    assert "tp_x" in trainer.plan.path_reason

@@ -20,10 +20,10 @@ from flax import nnx
 
 from jaxpar import attention as A
 from jaxpar.errors import JaxparError
-from jaxpar.models import bd3lm, model_config, model_family
+from jaxpar.models import bd3lm, family_of, model_config
 from jaxpar.rules import LOGICAL_AXES
 from jaxpar.train import data
-from jaxpar.train.step import abstract_model
+from jaxpar.train.state import abstract_model
 
 CFG = bd3lm.CONFIGS["bd3lm-tiny"]
 MASK = CFG.mask_id
@@ -217,7 +217,7 @@ def test_loss_and_gradients_equal_the_plain_forward():
 
 def test_configs_are_known_by_name_with_their_family():
     tiny = model_config("bd3lm-tiny")
-    assert model_family(tiny) == "bd3lm" and model_family(model_config("tiny")) == "llama"
+    assert family_of(tiny).name == "bd3lm" and family_of(model_config("tiny")).name == "llama"
     assert tiny.mask_id == 256 and tiny.vocab_size % bd3lm.VOCAB_MULTIPLE == 0 and tiny.vocab_size > 256
     big = model_config("bd3lm-8b")
     assert big.mask_id == 128_256 and big.embed == 4096 and big.layers == 32
@@ -276,8 +276,8 @@ def test_main_job_trains_the_diffusion_objective():
 
 def test_a_diffusion_row_is_the_same_whichever_process_reads_it():
     tokens = np.arange(4000, dtype=np.int32) % 256
-    whole = data.diffusion_batch_at(tokens, 3, 8, 32, 0, 0, 8, CFG)
-    parts = [data.diffusion_batch_at(tokens, 3, 8, 32, 0, a, b, CFG) for a, b in ((0, 3), (3, 8))]
+    whole = data.family_batch_at(tokens, 3, 8, 32, 0, 0, 8, bd3lm.FAMILY, CFG)
+    parts = [data.family_batch_at(tokens, 3, 8, 32, 0, a, b, bd3lm.FAMILY, CFG) for a, b in ((0, 3), (3, 8))]
     for key, array in whole.items():
         np.testing.assert_array_equal(array, np.concatenate([p[key] for p in parts]))
     assert whole["inputs"].shape == (8, 64) and (whole["inputs"][:, :32] == MASK).any()

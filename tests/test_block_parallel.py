@@ -21,9 +21,9 @@ from jaxpar.analysis import hlo
 from jaxpar.parallel.block import blocks as block_parallel
 from jaxpar.errors import JaxparError, LayoutError, SpecError
 from jaxpar.models import bd3lm, llama
-from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.parallel import build_layout, check_model, parse_strategy
 from jaxpar.train import data
-from jaxpar.run import check_block_degree, check_model_axes
+from jaxpar.run import check_model_axes
 from jaxpar.train.step import Trainer
 from tests.test_equivalence import CFG, OPTIMIZER, STEPS, assert_same, oracle, sharded
 
@@ -61,7 +61,7 @@ def trained(strategy, model_fn=diffusion_model):
 
 
 def compiled_collectives(trainer):
-    example = trainer.abstract_batch(ROWS, LENGTH, diffusion=True)
+    example = trainer.abstract_batch(ROWS, LENGTH, fields=bd3lm.FAMILY.batch_fields(LENGTH))
     return hlo.collectives(trainer._step.lower(trainer.abstract_state(), example).compile().as_text(), trainer.layout.mesh)
 
 
@@ -182,9 +182,9 @@ def test_bad_block_degrees_and_models_are_refused_with_the_valid_values():
     # a run is checked before anything is placed, with P counting every device that owns blocks
     csbp = parse_strategy("block=8,context=2", 8)  # the mesh's block axis is 4
     with pytest.raises(LayoutError, match=r"block=8 cannot split 4 diffusion blocks"):
-        check_block_degree(csbp, MODEL, 4 * BLOCK_SIZE)
+        check_model(csbp, MODEL, 4 * BLOCK_SIZE)
     assert parse_strategy("block=2,context=2,data=4", 8).block_ranks == 2  # CSBP though the mesh's block axis is 1
-    check_block_degree(csbp, MODEL, LENGTH)
+    check_model(csbp, MODEL, LENGTH)
     with pytest.raises(SpecError, match=r"clean_kv= says how .* drop clean_kv or add block= and context="):
         parse_strategy("block=8,clean_kv=fetch", 8)
     with pytest.raises(SpecError, match=r"clean_kv='all': choose ring .* or fetch"):

@@ -23,7 +23,7 @@ def test_check_passes_on_a_correct_layout_of_the_tiny_llama(capsys):
 
 
 def test_check_takes_a_block_diffusion_model(capsys):
-    # its batch is [x_t ; x_0] with noise levels, made as the main job makes it (train.data.diffusion_batch_at)
+    # its batch is [x_t ; x_0] with noise levels, made as the main job makes it (train.data.family_batch_at)
     argv = ["check", "--model", "bd3lm-tiny", "--strategy", "data=2,fsdp=2,tensor=2", "--batch-size", "4", "--seq-len", "32"]
     assert cli.main(argv) == 0
     assert "12 of 12 weights match" in capsys.readouterr().out

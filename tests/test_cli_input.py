@@ -3,6 +3,7 @@ by every command that takes it; signals, the launcher's clean-up and output file
 README's "Exit statuses" says. No training step runs here: each test takes well under a second
 (the interrupted and resumed job is in test_main_job.py)."""
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -169,6 +170,30 @@ def test_bad_input_is_refused_in_one_line_before_any_work(command, culprit, plac
     assert len(lines) == 1 and lines[0].startswith(f"jaxpar {argv[0]}: "), err
     assert culprit.format(tmp=places) in err
     assert {id(a) for a in jax.live_arrays()} <= before  # no device memory touched
+
+
+def test_an_option_is_declared_once_on_its_config_field(monkeypatch, capsys):
+    """A field declared with ``flag`` on TrainConfig is an option of the commands it names, with its
+    help, and the parsed value builds the config: a field added here reaches train and compile with
+    no edit to the CLI. Nothing is compiled or run."""
+    from jaxpar.flags import config_from_args, flag, given_flags
+    from jaxpar.train import config
+
+    @dataclasses.dataclass(frozen=True)
+    class Probe(config.TrainConfig):
+        probe_rate: float = flag(0.5, help="a probe's rate, declared by this test", commands=("train", "compile"))
+
+    monkeypatch.setattr(config, "TrainConfig", Probe)  # where the CLI reads TrainConfig's options from
+    for command, shown in (("train", True), ("compile", True), ("check", False)):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        usage = " ".join(capsys.readouterr().out.split())
+        assert ("--probe-rate PROBE_RATE a probe's rate, declared by this test" in usage) == shown, usage
+    args = cli._parser("train").parse_args(["train", "--probe-rate", "0.25", "--remat", "dots", "--schedule", "1f1b"])
+    cfg = config_from_args(Probe, args, "train")
+    assert (cfg.probe_rate, cfg.remat, cfg.schedule, cfg.learning_rate) == (0.25, "dots", "1f1b", 3e-3)  # a float, by its annotation
+    assert given_flags(Probe, args, "train") == {"schedule": ("--schedule", "1f1b")}  # RunConfig.explicit: given on purpose
+    assert config_from_args(Probe, cli._parser("compile").parse_args(["compile"]), "compile").remat == "full"  # a pod's default
 
 
 def test_compile_exits_1_for_a_plan_that_does_not_fit_either_way(places, monkeypatch, capsys):

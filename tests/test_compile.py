@@ -140,15 +140,15 @@ def test_regather_auto_chooses_by_memory(model, topology_name, strategy, regathe
     layout = build_layout(parse_strategy(strategy, len(devices)), devices)
     train_cfg = TrainConfig(compute_dtype="bfloat16", memory_bytes=topology.hbm_bytes)
     trainer = Trainer(layout, lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, train_cfg)
-    assert trainer.regather is regathers, trainer.regather_reason
+    assert trainer.plan.regather is regathers, trainer.plan.regather_reason
     # the reason names the bytes kept; keeping all layers' gathered bf16 weights costs their full size
     layers = cfg.num_params() - 2 * cfg.vocab_size * cfg.embed - cfg.embed
     assert trainer.sharded_state.gathered_layer_bytes(2) == pytest.approx(2 * layers, rel=1e-6)
-    assert "per chip" in trainer.regather_reason
+    assert "per chip" in trainer.plan.regather_reason
     # what is asked for is done, whatever the memory
     asked = Trainer(build_layout(parse_strategy(f"{strategy},regather={'off' if regathers else 'on'}", len(devices)), devices),
                     lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn, train_cfg)
-    assert asked.regather is not regathers and "was asked for" in asked.regather_reason
+    assert asked.plan.regather is not regathers and "was asked for" in asked.plan.regather_reason
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,7 @@ def test_shardings_match_the_golden_file(case):
 def test_golden_files_cover_every_weight_of_the_model():
     # independent of libtpu: the files list each llama3-8b weight once, with a name per dim
     from jaxpar.models import llama
-    from jaxpar.train.step import abstract_model
+    from jaxpar.train.state import abstract_model
 
     _, state = abstract_model(lambda r: llama.Llama(llama.CONFIGS["llama3-8b"], rngs=r))
     from flax import nnx

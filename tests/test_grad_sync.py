@@ -126,7 +126,7 @@ def test_exact_is_the_default_and_ignores_the_compression_knobs():
     texts = []
     for cfg in (TrainConfig(), TrainConfig(grad_sync="exact", **knobs)):
         trainer = Trainer(layout, tiny, llama.loss_fn, cfg)
-        assert trainer.grad_sync is None
+        assert trainer.plan.grad_sync is None
         batch = trainer.abstract_batch(BATCH, SEQ)
         texts.append(trainer.jit_step(batch).lower(trainer.abstract_state(), batch).as_text())
     assert texts[0] == texts[1]
@@ -160,7 +160,7 @@ def test_dynamiq_gradients_are_close_identical_everywhere_and_smaller_on_the_wir
     assert (copies_compared(grads) > 0) == replicated
 
     trainer, _, fn = compiled(strategy, "dynamiq")
-    assert set(trainer.grad_sync.axes) == compressed_axes
+    assert set(trainer.plan.grad_sync.axes) == compressed_axes
     cols = reduction_collectives(trainer, fn)
     permuted = {a for c in cols if c.kind == "collective-permute" for a in c.mesh_axes}
     assert permuted == compressed_axes
@@ -181,7 +181,7 @@ def test_eight_bits_come_much_closer():
 @pytest.mark.slow  # ~19 s of compiles
 def test_int8_is_the_naive_8_bit_quantizer():
     trainer, _, fn = compiled("data=8", "int8")
-    assert (trainer.grad_sync.scheme, trainer.grad_sync.bits) == ("uniform", 8)
+    assert (trainer.plan.grad_sync.scheme, trainer.plan.grad_sync.bits) == ("uniform", 8)
     loss, norm, grads = gradients("data=8", "int8")
     error = relative_error(grads, gradients("data=8")[2])
     sent = sum(c.bytes_per_step for c in reduction_collectives(trainer, fn)) / exact_reduction_bytes(trainer, "data=8")
@@ -251,7 +251,7 @@ def test_hierarchical_reduce_scatter_matches_psum_scatter(pod):
 @pytest.mark.slow
 def test_hsdp_on_two_slices_compresses_only_the_axis_between_them():
     trainer, _, fn = compiled("data=2,fsdp=4", "dynamiq", num_slices=2)
-    assert trainer.layout.dcn_axes == ("data",) and trainer.grad_sync.axes == ("data",)
+    assert trainer.layout.dcn_axes == ("data",) and trainer.plan.grad_sync.axes == ("data",)
     cols = reduction_collectives(trainer, fn)
     assert {(c.kind, c.mesh_axes) for c in cols} == {("reduce-scatter", ("fsdp",)), ("collective-permute", ("data",))}
     exact = gradients("data=8")[2]

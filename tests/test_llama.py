@@ -5,7 +5,7 @@ from flax import nnx
 
 from jaxpar.models import llama
 from jaxpar.rules import LOGICAL_AXES
-from jaxpar.train.step import abstract_model
+from jaxpar.train.state import abstract_model
 
 
 @pytest.mark.parametrize(

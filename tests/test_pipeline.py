@@ -21,7 +21,8 @@ from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.parallel import pipeline as pl
 from jaxpar.parallel import schedules as sc
-from jaxpar.train.step import TrainConfig, Trainer, abstract_model
+from jaxpar.train.state import abstract_model
+from jaxpar.train.step import TrainConfig, Trainer
 
 AUTO = jax.sharding.AxisType.Auto
 

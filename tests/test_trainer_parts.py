@@ -226,7 +226,8 @@ def test_accumulation_is_the_sum_of_each_micro_batchs_gradient(text):
     def fn(params, x, y):
         params = {"w": jax.lax.pcast(params["w"], lay.batch_axes, to="varying")}
         reduce = lambda g: reductions.reduce(g, plans, "micro", jnp.float32)  # noqa: E731
-        losses, acc, nbytes["acc"] = accumulate(jax.value_and_grad(loss), params, local_microbatches((x, y), k), reduce, plans, lay)
+        losses, acc = accumulate(jax.value_and_grad(loss), params, local_microbatches((x, y), k), reduce, plans, lay)
+        nbytes["acc"] = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(acc))  # the buffer the loop carried
         return jax.lax.psum(losses, lay.batch_axes), reductions.reduce(acc, plans, "final", jnp.float32)
 
     mapped = jax.shard_map(fn, mesh=lay.mesh, in_specs=({"w": param_spec}, batch_spec, batch_spec),
@@ -288,4 +289,4 @@ def test_trainer_reads_what_its_parts_hold():
     assert trainer.batch_sharding(np.zeros((16, 1))) == place.sharding(np.zeros((16, 1)))
     with pytest.raises(LayoutError, match="over 16 = batch axes"):
         trainer.check_batch(np.zeros((8, 1)))
-    assert trainer._plans[("up",)] == reductions.reduction_plan(trainer.layout, ("embed", "mlp"))
+    assert trainer.plan.reductions[("up",)] == reductions.reduction_plan(trainer.layout, ("embed", "mlp"))

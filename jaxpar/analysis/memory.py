@@ -97,7 +97,7 @@ def measured_memory(trainer, compiled_step) -> dict[str, int]:
     return {
         "parameters": params.memory_analysis().output_size_in_bytes,
         "optimizer": opt_bytes,
-        "gradient_accumulation": trainer.accumulator_bytes,
+        "gradient_accumulation": trainer.plan.accumulator_bytes,
         "temporaries": step.temp_size_in_bytes,
         "arguments": step.argument_size_in_bytes,
         "outputs": step.output_size_in_bytes,

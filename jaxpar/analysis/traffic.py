@@ -62,7 +62,7 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
         cb, rb = max(cb, 4), max(rb, 4)  # XLA:CPU runs bf16 collectives in f32 (GPU and TPU do not)
     layer_psi = tensor_local_params(trainer, only_layers=True)
     table_psi, table_width, tables = stored_tables(trainer)
-    regather = trainer.regather or trainer.schedule is not None
+    regather = trainer.plan.regather or trainer.plan.schedule is not None
     ways = lambda mapping: math.prod(layout.mesh.shape[a] for a in layout.axes_of("embed", mapping) if a in layout.batch_axes)  # noqa: E731
     return TrafficContext(
         layout=layout, mesh=dict(layout.mesh.shape), psi=tensor_local_params(trainer), layer_psi=layer_psi,
@@ -70,7 +70,7 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
         replicated_psi=replicated_params(trainer), regathered=layer_psi if regather else 0.0,
         stored_shards=ways("param"), grad_shards=ways("optimizer"), compute_bytes=cb, reduce_bytes=rb, stored_bytes=4,
         microbatches=cfg.microbatches, batch_shards=layout.batch_shards, batch=batch_shape[0], length=batch_shape[1],
-        model=model_cfg, schedule=trainer.schedule, remat=cfg.remat,
+        model=model_cfg, schedule=trainer.plan.schedule, remat=cfg.remat,
         held_length=held_length(layout, batch_shape[1]),
         clean_reads=(bd3lm.block_diffusion_mask(batch_shape[1] // 2, model_cfg.block_size, model_cfg.window).blocks.allowed.clean_reads
                      if layout.role(FETCH) and model_cfg is not None else None),
@@ -134,7 +134,7 @@ def compare(compiled_text: str, trainer, strategy, batch_shape, model_cfg=None) 
             "ratio": (m / o) if o else (math.inf if m else 1.0),
         }
     report["scalar all-reduce"] = {"count": sum(c.executions for c in scalars), "measured_bytes": sum(c.bytes_per_step for c in scalars)}
-    if trainer.schedule is not None:
+    if trainer.plan.schedule is not None:
         report["note"] = ("the pipeline's collectives inside its per-tick switch are counted in every branch on "
                           "every tick: an upper bound; the optimum counts what the schedule runs")
     report["by_axes"] = {f"{k[0]} over {'+'.join(k[1]) or '-'}": v for k, v in hlo.by_axes(counted).items()}

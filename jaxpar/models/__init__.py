@@ -1,17 +1,38 @@
-"""The models jaxpar knows by name (``--model``): the Llama family of ``llama.CONFIGS`` and the
-block diffusion family of ``bd3lm.CONFIGS`` (``bd3lm-tiny``, ``bd3lm-8b``). A config's class says
-its family (``model_family``): a ``bd3lm.BD3LMConfig`` is a ``LlamaConfig`` with the diffusion's
-own fields, so what reads only shapes (sizes, FLOPs, memory) takes either."""
+"""The models jaxpar knows by name (``--model``), by family: each family is one file holding its
+``FAMILY`` bundle (``family.Family``: config, model, loss, batch rows, options, what a checkpoint
+records), registered below in one line. A config's exact class says its family (``family_of``): a
+``bd3lm.BD3LMConfig`` is a ``LlamaConfig`` with the diffusion's own fields, so what reads only
+shapes (sizes, FLOPs, memory) takes either."""
 
 from __future__ import annotations
 
 from jaxpar.errors import JaxparError
 from jaxpar.models import bd3lm, llama
+from jaxpar.models.family import Family
 
-CONFIGS: dict[str, llama.LlamaConfig] = {**llama.CONFIGS, **bd3lm.CONFIGS}
+FAMILIES: dict[str, Family] = {}
+CONFIGS: dict = {}  # every family's configs by --model name
 
 
-def model_config(name: str) -> llama.LlamaConfig:
+def register(family: Family) -> None:
+    """Make ``family`` and its configs known by name (``--model``, checkpoints)."""
+    clash = sorted(set(family.configs) & set(CONFIGS))
+    if family.name in FAMILIES or clash:
+        raise JaxparError(f"model family {family.name!r} is registered already, or names configs another family has ({clash})")
+    FAMILIES[family.name] = family
+    CONFIGS.update(family.configs)
+
+
+def unregister(name: str) -> None:
+    for config in FAMILIES.pop(name).configs:
+        del CONFIGS[config]
+
+
+for _family in (llama.FAMILY, bd3lm.FAMILY):  # a new family: its file, and its FAMILY here
+    register(_family)
+
+
+def model_config(name: str):
     """The config of the model called ``name`` (``tiny``, ``llama2-7b``, ``llama3-8b``,
     ``bd3lm-tiny``...); an unknown name is refused with the known ones."""
     if name not in CONFIGS:
@@ -19,14 +40,16 @@ def model_config(name: str) -> llama.LlamaConfig:
     return CONFIGS[name]
 
 
-def model_family(cfg: llama.LlamaConfig) -> str:
-    """``"bd3lm"`` for a block diffusion config (its model is ``bd3lm.BD3LM``, its loss
-    ``bd3lm.loss_fn`` on ``bd3lm.corrupt`` batches), else ``"llama"``."""
-    return "bd3lm" if isinstance(cfg, bd3lm.BD3LMConfig) else "llama"
+def family_of(cfg) -> Family:
+    """The family whose config class ``cfg`` is exactly; a config of no registered family is refused."""
+    for family in FAMILIES.values():
+        if type(cfg) is family.config_type:
+            return family
+    raise JaxparError(f"{type(cfg).__name__} is the config of no registered model family ({', '.join(FAMILIES)}); "
+                      f"register its family in jaxpar/models/__init__.py (FAMILIES)")
 
 
-def model_and_loss(cfg: llama.LlamaConfig):
+def model_and_loss(cfg):
     """(``model_fn(rngs)``, ``loss_fn(model, batch)``) of ``cfg``'s family."""
-    if model_family(cfg) == "bd3lm":
-        return (lambda rngs: bd3lm.BD3LM(cfg, rngs=rngs)), bd3lm.loss_fn
-    return (lambda rngs: llama.Llama(cfg, rngs=rngs)), llama.loss_fn
+    family = family_of(cfg)
+    return (lambda rngs: family.model(cfg, rngs)), family.loss

@@ -49,6 +49,7 @@ import numpy as np
 from jaxpar.attention import BlockMask, Mask
 from jaxpar.errors import JaxparError
 from jaxpar.models import llama
+from jaxpar.models.family import Family
 from jaxpar.models.llama import LOGITS, LlamaConfig
 from jaxpar.nn import block_share, cross_entropy, shard_count, shard_offset
 
@@ -285,3 +286,58 @@ def loss_fn(model: BD3LM, batch: dict, block_size: int | None = None):
     logits = model(batch["inputs"], batch["positions"], block_size, share)
     loss = cross_entropy(logits, batch["targets"], LOGITS, batch["weights"])
     return loss if share is None else loss * share.loss_scale
+
+
+# --- the family ------------------------------------------------------------------------------------
+
+
+def corrupted_rows(cfg: BD3LMConfig, windows, seed: int, step: int, first_row: int) -> dict:
+    """The batch rows of token ``windows`` (rows, L), row ``first_row + i`` corrupted by ``corrupt``
+    at ``cfg``'s block size and noise range from a generator of its own (seed, step, row): a row
+    is the same whichever process makes it."""
+    rows = [corrupt(window[None], cfg.block_size, (seed, step, row), mask_id=cfg.mask_id, t_range=cfg.t_range)
+            for row, window in enumerate(windows, first_row)]
+    return {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}
+
+
+def _batch_fields(seq_len: int) -> dict:
+    """[x_t ; x_0] rows: 2 x seq_len tokens each."""
+    return {"inputs": (2 * seq_len, np.int32), "targets": (2 * seq_len, np.int32),
+            "positions": (2 * seq_len, np.int32), "weights": (2 * seq_len, np.float32)}
+
+
+def configure(cfg: BD3LMConfig, seq_len: int, block_size: int | None = None, window: int | None = None) -> BD3LMConfig:
+    """``cfg`` with a run's ``--block-size`` and ``--window``; refuses a block size that does not
+    divide ``seq_len`` and a window that is not whole blocks."""
+    if block_size is not None:
+        check_block_size(block_size)
+        cfg = dataclasses.replace(cfg, block_size=block_size)
+    if window is not None:
+        check_window(window, cfg.block_size)
+        cfg = dataclasses.replace(cfg, window=window)
+    check_blocks(seq_len, cfg.block_size)
+    return cfg
+
+
+def changed(cfg: BD3LMConfig, saved: dict, given: dict) -> str | None:
+    """Why a checkpoint's blocks or window (``saved``: its meta) make another function than ``cfg``'s."""
+    block_size = saved.get("block_size") or CONFIGS[saved["model"]].block_size  # runs before it was recorded: the config's
+    if block_size != cfg.block_size:
+        now = f"--block-size {cfg.block_size}" + (" (the default)" if given.get("block_size") is None else "")
+        return (f"was trained with --block-size {block_size}, and this run has {now}: other blocks make another function "
+                f"of the same weights; pass --block-size {block_size} to resume it")
+    if saved.get("window") != cfg.window:
+        said = lambda w: f"--window {w}" if w else "no --window (the whole prefix)"  # noqa: E731
+        fix = f"pass --window {saved['window']}" if saved.get("window") else "drop --window"
+        return (f"was trained with {said(saved.get('window'))}, and this run has {said(cfg.window)}: another window makes "
+                f"another function of the same weights; {fix} to resume it")
+    return None
+
+
+FAMILY = Family(
+    name="bd3lm", words="block diffusion model", config_type=BD3LMConfig, configs=CONFIGS,
+    model=lambda cfg, rngs: BD3LM(cfg, rngs=rngs), loss=loss_fn, rows=corrupted_rows, batch_fields=_batch_fields,
+    reads=lambda seq_len: 2 * seq_len,  # [x_t ; x_0]
+    options=("block_size", "window"), configure=configure, packing=False, axes=frozenset({"block"}),
+    meta=lambda cfg: {"block_size": cfg.block_size, "window": cfg.window}, changed=changed,
+)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.attention import BIDIRECTIONAL, CAUSAL, attention
+from jaxpar.models.family import Family
 from jaxpar.nn import constrain, cross_entropy, embed_lookup, enter_block, finish_delayed, residual_add, start_delayed
 
 # Activation layouts: the residual stream, and the inside of attention / MLP blocks.
@@ -260,3 +261,7 @@ def _block(x, pending, w, cfg, positions, mask, past=None):
                       then=lambda h: jax.nn.silu(jnp.einsum("ble,em->blm", h, w["w_gate"])) * jnp.einsum("ble,em->blm", h, w["w_up"]))
     act = constrain(act, ("batch", "length", "mlp"))
     return residual_add(x, act, ("mlp",), RESIDUAL, pending, project=lambda a: jnp.einsum("blm,me->ble", a, w["w_down"])), kv
+
+
+FAMILY = Family(name="llama", words="Llama", config_type=LlamaConfig, configs=CONFIGS,
+                model=lambda cfg, rngs: Llama(cfg, rngs=rngs), loss=loss_fn)

@@ -72,6 +72,11 @@ class Strategy:
         """True / False as given; None for auto (the trainer chooses by memory)."""
         return self.options["regather"]
 
+    @property
+    def written_degrees(self) -> dict[str, int]:
+        """The degrees as written where strategies re-split them (CSBP's block=P), else the mesh's."""
+        return dict(self.degrees, **mesh_lib.parse_degrees(self.written)) if self.written else self.degrees
+
     def role(self, name: str) -> tuple[str, ...]:
         """The mesh axes (of more than one device) a strategy's runtime plays ``name`` over, as
         ``Layout.role`` will say once the mesh exists."""
@@ -156,6 +161,17 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
     )
 
 
+def choose_regather(kept_bytes: float, state_bytes: float, memory_bytes: float | None) -> tuple[bool, str]:
+    """(regather, why) under ``regather=auto``: the strategy that gathers stacked layers decides."""
+    return next(choice for module in STRATEGIES if (choice := module.choose_regather(kept_bytes, state_bytes, memory_bytes)))
+
+
+def check_model(strategy: Strategy, model_cfg, seq_len: int) -> None:
+    """Every strategy's refusals of a model config and sequence length (before anything is built)."""
+    for module in STRATEGIES:
+        module.check_model(strategy, model_cfg, seq_len)
+
+
 def check_run(planned, cfg) -> None:
     """Every strategy's refusals of a ``TrainConfig`` (``planned``: the Layout, or the Strategy
     before any mesh exists: both answer ``role``)."""
@@ -163,10 +179,21 @@ def check_run(planned, cfg) -> None:
         module.check_run(planned, cfg)
 
 
+def changed(saved: Strategy, strategy: Strategy) -> str | None:
+    """Why weights trained under ``saved`` compute another function under ``strategy`` (None: the same)."""
+    return next((why for module in STRATEGIES if (why := module.changed(saved, strategy))), None)
+
+
 def compiler_options(layout: Layout | None) -> dict | None:
     """``jax.jit``'s compiler_options for a program under ``layout``: every strategy's (None: none)."""
     options = {} if layout is None else {k: v for module in STRATEGIES for k, v in module.compiler_options(layout).items()}
     return options or None
+
+
+def serves_manually(layout: Layout | None) -> bool:
+    """Whether serving under ``layout`` runs inside one shard_map (a strategy only jaxpar's own
+    collectives run: delayed TP) rather than partitioned by XLA."""
+    return layout is not None and any(module.serves_manually(layout) for module in STRATEGIES)
 
 
 def attention_kernel(layout: Layout) -> str | None:

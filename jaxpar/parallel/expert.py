@@ -4,6 +4,7 @@ the all-to-all traffic of token routing comes with the first model that has them
 """
 
 AXES = ("expert",)
+NEEDS_MODEL = "it needs mixture-of-experts layers to split"
 CROSSES_DCN = False
 OPTIONS: dict = {}
 

@@ -25,7 +25,7 @@ of weight traffic but holds the whole stack's weights on every chip at once.
 """
 
 from jaxpar.errors import SpecError, size_text
-from jaxpar.mesh import parse_flag
+from jaxpar.parallel.base import ON_OFF, count_option, option_of
 
 AXES = ("fsdp",)
 ID_BYTES = 4  # token ids are int32
@@ -37,27 +37,12 @@ SHARDED_FROM = {"optimizer": 1, "grad": 2, "param": 3}
 MEMORY_KIND = {"optimizer": "optimizer", "grad": "gradient_accumulation", "param": "parameters"}
 
 
-def _stage(key: str, text: str) -> int:
-    try:
-        stage = int(text)
-    except ValueError:
-        stage = None
-    if stage not in STAGES:
-        raise SpecError(f"zero={text} is not a ZeRO stage; use zero=1 (optimizer state), 2 (+gradients) or 3 (+weights, FSDP)")
-    return stage
-
-
-def _regather(key: str, text: str):
-    """on / off, or auto (None): the trainer chooses by memory (``choose_regather``)."""
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        return parse_flag(key, text)
-    except SpecError:
-        raise SpecError(f"option regather={text!r}: use auto (chosen by memory), on or off") from None
-
-
-OPTIONS = {"zero": (_stage, 3), "regather": (_regather, None)}  # key -> (parse(key, text), default)
+OPTIONS = {
+    "zero": (count_option(lambda n: n in STAGES, "not a ZeRO stage; use zero=1 (optimizer state), 2 (+gradients) or "
+                                                 "3 (+weights, FSDP)"), 3),
+    # on / off, or auto (None): the plan chooses by memory (``choose_regather``)
+    "regather": (option_of({**ON_OFF, "auto": None}, "use auto (chosen by memory), on or off"), None),
+}
 
 # regather=auto keeps a stack's gathered weights only where they are cheap in memory: at most this
 # share of a chip's memory (beyond it the same bytes buy a longer sequence or a larger batch, while

@@ -15,23 +15,15 @@ Memory per device: weights 4*Psi/P, gradient buffer 4*Psi/N, Adam moments 8*Psi/
 
 from jaxpar.errors import SpecError
 from jaxpar.mesh import divisors
+from jaxpar.parallel.base import count_option
 
 AXES = ("fsdp_group",)  # outer to fsdp: each group is P neighbouring devices
 CROSSES_DCN = False
 
 
-def _shards(key: str, text: str) -> int:
-    try:
-        shards = int(text)
-    except ValueError:
-        shards = 0
-    if shards < 2:  # 0 is the default's "not hierarchical": given, it would do nothing
-        raise SpecError(f"option {key}={text!r}: give the number of devices a weight is split over, at least 2, e.g. "
-                        f"{key}=4; or drop {key}")
-    return shards
-
-
-OPTIONS = {"param_shards": (_shards, 0)}  # 0: not hierarchical
+# 0, the default, is "not hierarchical": given, it would do nothing
+OPTIONS = {"param_shards": (count_option(lambda n: n >= 2, "give the number of devices a weight is split over, at least 2, "
+                                         "e.g. param_shards=4; or drop param_shards"), 0)}
 
 
 def reshape(degrees: dict, options: dict) -> dict:

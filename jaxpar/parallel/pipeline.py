@@ -57,8 +57,8 @@ from flax import nnx
 from jaxpar import layer_scan
 from jaxpar.errors import LayoutError
 from jaxpar.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
-from jaxpar.rules import (Layout, gather_layers_when_read, gather_params, gathered, logical_names, stored_shape, use_layout,
-                          vary_over, varying_axes)
+from jaxpar.rules import (Layout, gather_layers_when_read, gather_params, gather_plan, gathered, logical_names, stored_shape,
+                          use_layout, vary_over, varying_axes)
 
 STAGE_AXIS = "stage"
 
@@ -240,6 +240,207 @@ def _cond(pred, true_fn, false_fn, *operands):
     return jax.lax.cond(pred, on_true, on_false, *operands)
 
 
+def _at(buf, slot):
+    """Entry ``slot`` (a traced index) of ``buf``'s leading dim."""
+    return jax.lax.dynamic_index_in_dim(buf, slot, keepdims=False)
+
+
+def _put(buf, slot, value):
+    """``buf`` with entry ``slot`` of its leading dim set to ``value`` (in the buffer's dtype)."""
+    return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), slot, 0)
+
+
+def _check_pieces(model: PipelineModel, stage_params, edge_params, batch, axis: str):
+    """Shape of what flows between stages and the axes it varies over, from the pieces traced
+    abstractly on micro-batch 0 and chunk 0. Raises unless ``stage_fn`` keeps that shape (one
+    buffer holds every stage's input) and ``last_fn`` returns a scalar loss."""
+    def flowing(edge, mb, chunk):
+        x = model.first(edge, chunk, mb)
+        return x, model.stage(edge, chunk, x, mb)
+
+    mb0, chunk0 = jax.tree.map(lambda b: b[0], batch), jax.tree.map(lambda p: p[0], stage_params)
+    x0, y0 = jax.eval_shape(flowing, edge_params, mb0, chunk0)
+    if (y0.shape, y0.dtype) != (x0.shape, x0.dtype):
+        raise LayoutError(
+            f"stage_fn must keep the shape of what flows between stages: first_fn gives {x0.dtype}{list(x0.shape)}, "
+            f"stage_fn turns it into {y0.dtype}{list(y0.shape)}"
+        )
+    loss0 = jax.eval_shape(lambda edge, mb, chunk: model.last(edge, chunk, flowing(edge, mb, chunk)[1], mb),
+                           edge_params, mb0, chunk0)
+    if loss0.shape != ():
+        raise LayoutError(f"last_fn must return the micro-batch's loss as a scalar, not shape {loss0.shape}")
+    # what flows between stages varies over the stage axis and whatever the model makes it vary over
+    return x0, {axis} | x0.manual_axis_type.varying | y0.manual_axis_type.varying
+
+
+def _send_pairs(stages: int, ring: bool):
+    """``ppermute`` pairs: forward outputs go to the next device, input gradients to the previous
+    one. With a ring (interleaved, v > 1 chunks per device) the last device's outputs also go round
+    to device 0 for its next chunk, and device 0's input gradients back to the last device."""
+    forward = [(i, i + 1) for i in range(stages - 1)] + ([(stages - 1, 0)] if ring else [])
+    backward = [(i + 1, i) for i in range(stages - 1)] + ([(0, stages - 1)] if ring else [])
+    return forward, backward
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Actions:
+    """The three ``lax.switch`` branches of a tick (IDLE, FORWARD, BACKWARD) and what they share:
+    the model, this device's weights and micro-batches, and the abstract value (``flow``) of what
+    passes between stages. A branch maps (carry, table row) to (carry, output for the next device,
+    input gradient for the previous one); see ``_initial_carry`` for the carry's entries."""
+
+    model: PipelineModel
+    stage_params: Any
+    edge_params: Any
+    batch: Any
+    flow: Any
+    loss_scale: Any
+    learning_rate: Any  # None: synchronous; a number: PipeDream's SGD
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.learning_rate is not None
+
+    def branch(self, kind):
+        """The switch branch for actions of ``kind``: read the micro-batch, stored input and weights
+        the table row names, run the chunk (a backward recomputes it), update the carry."""
+        def run(carry, row):
+            carry = dict(carry)  # the branch returns a new carry; the one it was given stays as it was
+            nothing = jnp.zeros(self.flow.shape, self.flow.dtype)  # sent when there is nothing to send
+            if kind == IDLE:
+                return carry, nothing, nothing
+            j, i, first, last = row["chunk"], row["microbatch"], row["first"] > 0, row["last"] > 0
+            mb_batch = jax.tree.map(lambda b: _at(b, i), self.batch)
+            x = _at(carry["acts"], row["act_slot"])
+            params, edge = self._weights(carry, row, kind)
+            p = jax.tree.map(lambda w: _at(w, j), params)
+
+            def action(p, edge, x):  # this action's chunk, as a function of what its backward differentiates
+                return self._chunk(p, edge, x, mb_batch, first, last)
+
+            if kind == FORWARD:
+                y, loss = action(p, edge, x)
+                self._add_loss(carry, i, loss)
+                return carry, y, nothing
+            dp, dedge, dx = self._pull_back(action, p, edge, x, carry, row, last)
+            self._apply_gradients(carry, j, dp, dedge, first | last)  # only the ends give edge gradients
+            return carry, nothing, dx
+
+        return run
+
+    def _chunk(self, p, edge, x, mb_batch, first, last):
+        """(output, loss) of a chunk: the embedding before it on the first virtual stage, head and
+        loss after it on the last (zero loss elsewhere)."""
+        model = self.model
+        h = _cond(first, lambda e, x: model.first(e, p, mb_batch), lambda e, x: x, edge, x)
+        y = model.stage(edge, p, h, mb_batch)
+        loss = _cond(last, lambda e, y: model.last(e, p, y, mb_batch).astype(jnp.float32),
+                     lambda e, y: jnp.zeros((), jnp.float32), edge, y)
+        return y, loss
+
+    def _weights(self, carry, row, kind):
+        """(stacked, edge) weights an action uses; PipeDream's forward stashes them for its backward,
+        which must differentiate at the weights its forward ran with (and records their version)."""
+        if not self.asynchronous:
+            return self.stage_params, self.edge_params
+        if kind == FORWARD:
+            slot = row["act_slot"]
+            carry["stash"] = jax.tree.map(lambda b, w: _put(b, slot, w), carry["stash"], carry["params"])
+            carry["stash_edge"] = jax.tree.map(lambda b, w: _put(b, slot, w), carry["stash_edge"], carry["edge"])
+            carry["versions"] = _put(carry["versions"], row["microbatch"], carry["updates"])
+            return carry["params"], carry["edge"]
+        return (jax.tree.map(lambda b: _at(b, row["act_slot"]), carry["stash"]),
+                jax.tree.map(lambda b: _at(b, row["act_slot"]), carry["stash_edge"]))
+
+    def _add_loss(self, carry, i, loss):
+        if self.asynchronous:  # PipeDream reports each micro-batch's loss
+            carry["losses"] = carry["losses"].at[i].add(loss)
+        else:
+            carry["loss"] = carry["loss"] + loss * self.loss_scale
+
+    def _pull_back(self, action, p, edge, x, carry, row, last):
+        """Gradients (chunk, edge, input) of a backward: recompute the forward from the stored input
+        (no residuals are kept between ticks) and pull through it the gradient that arrived from
+        the next device, or, on the last virtual stage, ``loss_scale`` on the loss."""
+        (y, loss), pull = jax.vjp(action, p, edge, x)
+        dy = jnp.where(last, jnp.zeros_like(y), vary_over(_at(carry["cots"], row["cot_slot"]), varying_axes(y)))
+        dloss = jnp.where(last, jnp.asarray(self.loss_scale, loss.dtype), jnp.zeros_like(loss))
+        return pull((dy, dloss))
+
+    def _apply_gradients(self, carry, j, dp, dedge, ends):
+        """Synchronous: add the gradients to chunk ``j``'s and the edge accumulators. PipeDream:
+        an SGD step on this device's live weights at once."""
+        if self.asynchronous:
+            def sgd(w, g):
+                return w - self.learning_rate * g.astype(w.dtype)
+
+            carry["params"] = jax.tree.map(lambda w, g: w.at[j].set(sgd(w[j], g)), carry["params"], dp)
+            carry["edge"] = _cond(ends, lambda w, g: jax.tree.map(sgd, w, g), lambda w, g: w, carry["edge"], dedge)
+            carry["updates"] = carry["updates"] + 1
+        else:
+            carry["grads"] = jax.tree.map(lambda a, g: a.at[j].add(g.astype(a.dtype)), carry["grads"], dp)
+            carry["edge_grads"] = _cond(ends, lambda a, g: jax.tree.map(lambda a, g: a + g.astype(a.dtype), a, g),
+                                        lambda a, g: a, carry["edge_grads"], dedge)
+
+
+def _initial_carry(actions: _Actions, program: Program, flows, axis: str):
+    """The scan's carry before the first tick, all zeros: buffers of stored stage inputs (``acts``)
+    and arrived gradients (``cots``), each with one scratch slot more than the program assigns;
+    then the loss and float32 gradient accumulators, or for PipeDream the live weights, their
+    per-slot stash, the update count and per micro-batch losses and weight versions."""
+    x0, stage_params, edge_params = actions.flow, actions.stage_params, actions.edge_params
+    carry = {
+        "acts": jnp.zeros((program.act_slots + 1, *x0.shape), x0.dtype),
+        "cots": jnp.zeros((program.cot_slots + 1, *x0.shape), x0.dtype),
+    }
+    if actions.asynchronous:
+        slots = program.act_slots + 1
+        num_microbatches = jax.tree.leaves(actions.batch)[0].shape[0]
+        carry.update(
+            params=stage_params, edge=edge_params,
+            stash=jax.tree.map(lambda w: jnp.zeros((slots, *w.shape), w.dtype), stage_params),
+            stash_edge=jax.tree.map(lambda w: jnp.zeros((slots, *w.shape), w.dtype), edge_params),
+            updates=jnp.zeros((), jnp.int32), versions=jnp.zeros((num_microbatches,), jnp.int32),
+            losses=jnp.zeros((num_microbatches,), jnp.float32),
+        )
+    else:
+        accumulator = lambda w: jnp.zeros(w.shape, jnp.float32)  # noqa: E731
+        carry.update(grads=jax.tree.map(accumulator, stage_params), edge_grads=jax.tree.map(accumulator, edge_params),
+                     loss=jnp.zeros((), jnp.float32))
+    # every device holds its own values; the buffers also vary over whatever what flows varies over
+    carry = jax.tree.map(lambda c: vary_over(c, {axis}), carry)
+    carry["acts"], carry["cots"] = vary_over(carry["acts"], flows), vary_over(carry["cots"], flows)
+    return carry
+
+
+def _typed_branches(raw_branches, carry, example_row):
+    """The switch branches made to agree on types, and the carry widened to match them.
+
+    shard_map's types: all switch branches must return the same types, and a tick must return
+    the carry it was given. Widen the carry until a tick no longer widens it."""
+    while True:
+        branches, (carry_axes, _, _) = _unify(raw_branches, carry, example_row)
+        widened = jax.tree.map(lambda c, a: vary_over(c, varying_axes(c) | a), carry, carry_axes)
+        if all(varying_axes(a) == varying_axes(b) for a, b in zip(jax.tree.leaves(widened), jax.tree.leaves(carry))):
+            return branches, carry
+        carry = widened
+
+
+def _tick_fn(branches, here, axis: str, forward_pairs, backward_pairs):
+    """The scan's body: this device runs its action of the tick, then one ``ppermute`` each way
+    moves the outputs and input gradients, which land in the slots the table names for them."""
+    def tick(carry, rows):
+        row = {name: _at(col, here) for name, col in rows.items()}  # this device's column
+        carry, send_fwd, send_bwd = jax.lax.switch(row["kind"], branches, carry, row)
+        arrived = jax.lax.ppermute(send_fwd, axis, forward_pairs)
+        returned = jax.lax.ppermute(send_bwd, axis, backward_pairs)
+        carry["acts"] = _put(carry["acts"], row["recv_act"], vary_over(arrived, varying_axes(carry["acts"])))
+        carry["cots"] = _put(carry["cots"], row["recv_cot"], vary_over(returned, varying_axes(carry["cots"])))
+        return carry, None
+
+    return tick
+
+
 def run_schedule(program: Program, model: PipelineModel, stage_params, edge_params, batch, *,
                  loss_scale=1.0, learning_rate=None, axis: str = STAGE_AXIS):
     """Run a lowered schedule on this device (call inside ``shard_map`` with ``axis`` manual).
@@ -257,141 +458,18 @@ def run_schedule(program: Program, model: PipelineModel, stage_params, edge_para
     weights at once, computed at the weights its forward used (stashed per micro-batch). Returns
     (loss per micro-batch (m,) [last stage only], updated ``stage_params``, this device's updated
     copy of ``edge_params``, the update count (weight version) each micro-batch's forward used)."""
-    asynchronous = learning_rate is not None
-    stages = program.kind.shape[1]
-    num_microbatches = jax.tree.leaves(batch)[0].shape[0]
     here = jax.lax.axis_index(axis)
-    chunks = jax.tree.leaves(stage_params)[0].shape[0]
-
-    def flowing(edge, mb, chunk):
-        x = model.first(edge, chunk, mb)
-        return x, model.stage(edge, chunk, x, mb)
-
-    mb0, chunk0 = jax.tree.map(lambda b: b[0], batch), jax.tree.map(lambda p: p[0], stage_params)
-    x0, y0 = jax.eval_shape(flowing, edge_params, mb0, chunk0)
-    if (y0.shape, y0.dtype) != (x0.shape, x0.dtype):
-        raise LayoutError(
-            f"stage_fn must keep the shape of what flows between stages: first_fn gives {x0.dtype}{list(x0.shape)}, "
-            f"stage_fn turns it into {y0.dtype}{list(y0.shape)}"
-        )
-    loss0 = jax.eval_shape(lambda edge, mb, chunk: model.last(edge, chunk, flowing(edge, mb, chunk)[1], mb),
-                           edge_params, mb0, chunk0)
-    if loss0.shape != ():
-        raise LayoutError(f"last_fn must return the micro-batch's loss as a scalar, not shape {loss0.shape}")
-    # what flows between stages varies over the stage axis and whatever the model makes it vary over
-    flows = {axis} | x0.manual_axis_type.varying | y0.manual_axis_type.varying
-    ring = chunks > 1  # interleaved: the last device's outputs go round to device 0 for its next chunk
-    forward_pairs = [(i, i + 1) for i in range(stages - 1)] + ([(stages - 1, 0)] if ring else [])
-    backward_pairs = [(i + 1, i) for i in range(stages - 1)] + ([(0, stages - 1)] if ring else [])
-
-    def at(buf, slot):
-        return jax.lax.dynamic_index_in_dim(buf, slot, keepdims=False)
-
-    def put(buf, slot, value):
-        return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), slot, 0)
-
-    def one_action(p, edge, x, mb_batch, first, last):
-        """(output, loss) of a chunk: the embedding before it on the first virtual stage, head and
-        loss after it on the last (zero loss elsewhere)."""
-        h = _cond(first, lambda e, x: model.first(e, p, mb_batch), lambda e, x: x, edge, x)
-        y = model.stage(edge, p, h, mb_batch)
-        loss = _cond(last, lambda e, y: model.last(e, p, y, mb_batch).astype(jnp.float32),
-                     lambda e, y: jnp.zeros((), jnp.float32), edge, y)
-        return y, loss
-
-    def weights(carry, row, kind):
-        """(stacked, edge) weights an action uses; PipeDream's forward stashes them for its backward."""
-        if not asynchronous:
-            return stage_params, edge_params
-        if kind == FORWARD:
-            slot = row["act_slot"]
-            carry["stash"] = jax.tree.map(lambda b, w: put(b, slot, w), carry["stash"], carry["params"])
-            carry["stash_edge"] = jax.tree.map(lambda b, w: put(b, slot, w), carry["stash_edge"], carry["edge"])
-            carry["versions"] = put(carry["versions"], row["microbatch"], carry["updates"])
-            return carry["params"], carry["edge"]
-        return (jax.tree.map(lambda b: at(b, row["act_slot"]), carry["stash"]),
-                jax.tree.map(lambda b: at(b, row["act_slot"]), carry["stash_edge"]))
-
-    def make_branch(kind):
-        def branch(carry, row):
-            carry = dict(carry)
-            nothing = jnp.zeros(x0.shape, x0.dtype)
-            if kind == IDLE:
-                return carry, nothing, nothing
-            j, i, first, last = row["chunk"], row["microbatch"], row["first"] > 0, row["last"] > 0
-            mb_batch = jax.tree.map(lambda b: at(b, i), batch)
-            x = at(carry["acts"], row["act_slot"])
-            params, edge = weights(carry, row, kind)
-            p = jax.tree.map(lambda w: at(w, j), params)
-            if kind == FORWARD:
-                y, loss = one_action(p, edge, x, mb_batch, first, last)
-                if asynchronous:
-                    carry["losses"] = carry["losses"].at[i].add(loss)
-                else:
-                    carry["loss"] = carry["loss"] + loss * loss_scale
-                return carry, y, nothing
-            # backward: recompute the forward from the stored input and pull the gradient through it
-            (y, loss), pull = jax.vjp(lambda p, e, x: one_action(p, e, x, mb_batch, first, last), p, edge, x)
-            dy = jnp.where(last, jnp.zeros_like(y), vary_over(at(carry["cots"], row["cot_slot"]), varying_axes(y)))
-            dloss = jnp.where(last, jnp.asarray(loss_scale, loss.dtype), jnp.zeros_like(loss))
-            dp, dedge, dx = pull((dy, dloss))
-            ends = first | last  # only there do the edge weights get a gradient
-            if asynchronous:
-                step = lambda w, g: w - learning_rate * g.astype(w.dtype)  # noqa: E731
-                carry["params"] = jax.tree.map(lambda w, g: w.at[j].set(step(w[j], g)), carry["params"], dp)
-                carry["edge"] = _cond(ends, lambda w, g: jax.tree.map(step, w, g), lambda w, g: w, carry["edge"], dedge)
-                carry["updates"] = carry["updates"] + 1
-            else:
-                carry["grads"] = jax.tree.map(lambda a, g: a.at[j].add(g.astype(a.dtype)), carry["grads"], dp)
-                carry["edge_grads"] = _cond(ends, lambda a, g: jax.tree.map(lambda a, g: a + g.astype(a.dtype), a, g),
-                                            lambda a, g: a, carry["edge_grads"], dedge)
-            return carry, nothing, dx
-
-        return branch
-
-    carry = {
-        "acts": jnp.zeros((program.act_slots + 1, *x0.shape), x0.dtype),
-        "cots": jnp.zeros((program.cot_slots + 1, *x0.shape), x0.dtype),
-    }
-    if asynchronous:
-        slots = program.act_slots + 1
-        carry.update(
-            params=stage_params, edge=edge_params,
-            stash=jax.tree.map(lambda w: jnp.zeros((slots, *w.shape), w.dtype), stage_params),
-            stash_edge=jax.tree.map(lambda w: jnp.zeros((slots, *w.shape), w.dtype), edge_params),
-            updates=jnp.zeros((), jnp.int32), versions=jnp.zeros((num_microbatches,), jnp.int32),
-            losses=jnp.zeros((num_microbatches,), jnp.float32),
-        )
-    else:
-        accumulator = lambda w: jnp.zeros(w.shape, jnp.float32)  # noqa: E731
-        carry.update(grads=jax.tree.map(accumulator, stage_params), edge_grads=jax.tree.map(accumulator, edge_params),
-                     loss=jnp.zeros((), jnp.float32))
-    carry = jax.tree.map(lambda c: vary_over(c, {axis}), carry)
-    carry["acts"], carry["cots"] = vary_over(carry["acts"], flows), vary_over(carry["cots"], flows)
-
+    flow, flows = _check_pieces(model, stage_params, edge_params, batch, axis)
+    actions = _Actions(model, stage_params, edge_params, batch, flow, loss_scale, learning_rate)
+    carry = _initial_carry(actions, program, flows, axis)
+    # the (ticks, stages) tables, scanned over ticks; each device reads its own column
     table = {name: jnp.asarray(col) for name, col in program.columns().items()}
-    example_row = {name: at(col[0], here) for name, col in table.items()}
-    raw_branches = [make_branch(kind) for kind in (IDLE, FORWARD, BACKWARD)]
-    # shard_map's types: all switch branches must return the same types, and a tick must return
-    # the carry it was given. Widen the carry until a tick no longer widens it.
-    while True:
-        branches, (carry_axes, _, _) = _unify(raw_branches, carry, example_row)
-        widened = jax.tree.map(lambda c, a: vary_over(c, varying_axes(c) | a), carry, carry_axes)
-        if all(varying_axes(a) == varying_axes(b) for a, b in zip(jax.tree.leaves(widened), jax.tree.leaves(carry))):
-            break
-        carry = widened
-
-    def tick(carry, rows):
-        row = {name: at(col, here) for name, col in rows.items()}
-        carry, send_fwd, send_bwd = jax.lax.switch(row["kind"], branches, carry, row)
-        arrived = jax.lax.ppermute(send_fwd, axis, forward_pairs)
-        returned = jax.lax.ppermute(send_bwd, axis, backward_pairs)
-        carry["acts"] = put(carry["acts"], row["recv_act"], vary_over(arrived, varying_axes(carry["acts"])))
-        carry["cots"] = put(carry["cots"], row["recv_cot"], vary_over(returned, varying_axes(carry["cots"])))
-        return carry, None
-
-    carry, _ = jax.lax.scan(tick, carry, table)
-    if asynchronous:
+    example_row = {name: _at(col[0], here) for name, col in table.items()}  # to trace the branches' types
+    branches, carry = _typed_branches([actions.branch(kind) for kind in (IDLE, FORWARD, BACKWARD)], carry, example_row)
+    ring = jax.tree.leaves(stage_params)[0].shape[0] > 1  # interleaved: device s also holds chunks S+s, 2S+s...
+    forward_pairs, backward_pairs = _send_pairs(program.kind.shape[1], ring)
+    carry, _ = jax.lax.scan(_tick_fn(branches, here, axis, forward_pairs, backward_pairs), carry, table)
+    if actions.asynchronous:
         return carry["losses"], carry["params"], carry["edge"], carry["versions"]
     return carry["loss"], carry["grads"], carry["edge_grads"]
 
@@ -498,8 +576,7 @@ def sum_over_batch(layout: Layout, grads, names):
     reduce-scattered over (stored sharded there, computed whole). ``names``: the weights' logical
     names, shaped like ``grads``."""
     def unreduced(names_):
-        gathered = {a for n in names_ if n != "layers" for a in layout.axes_of(n, "param")
-                    if a not in layout.axes_of(n, "compute")}
+        gathered = {a for _, axes in gather_plan(names_, layout) for a in axes}
         return tuple(a for a in layout.batch_axes if a not in gathered)
 
     return jax.tree.map(lambda g, n: jax.lax.psum(g, unreduced(n)) if unreduced(n) else g, grads, names,

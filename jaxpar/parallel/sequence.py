@@ -9,14 +9,14 @@ gradients summed over ``tensor``. (Its traffic is in ``tensor.traffic``.)
 """
 
 from jaxpar.errors import SpecError
-from jaxpar.mesh import parse_flag
+from jaxpar.parallel.base import flag
 
 AXES: tuple[str, ...] = ()  # it splits over tensor's axis
 CROSSES_DCN = False
 LOGICAL_AXIS = "residual_length"
 
 
-OPTIONS = {"sp": (parse_flag, False)}
+OPTIONS = {"sp": (flag, False)}
 
 
 def check(strategy):

@@ -18,17 +18,27 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxpar.errors import JaxparError
-from jaxpar.models import model_and_loss, model_config, model_family
-from jaxpar.parallel import compiler_options
+from jaxpar import models
+from jaxpar.models import family_of, model_and_loss, model_config
+from jaxpar.parallel import compiler_options, serves_manually
 from jaxpar.rules import Layout, logical_names, use_layout
 from jaxpar.train import checkpoint as checkpoint_lib
 from jaxpar.train.state import abstract_model
 
 BYTE_VOCAB = 256  # the main job's tokens are UTF-8 bytes (train/data.py)
-FAMILIES = {"llama": "Llama", "bd3lm": "block diffusion model"}  # models.model_family's names, in words
-# whether a family's sampler runs many positions in one step (a BD3-LM denoises a block of them),
-# which a layout may split over context or block devices; a Llama decodes one token a step
+FAMILIES = {name: family.words for name, family in models.FAMILIES.items()}  # model families in words
+# the families serving has a decoder for (serve/llama.py, serve/bd3lm.py), and whether it runs
+# many positions in one step (a BD3-LM denoises a block of them), which a layout may split over
+# context or block devices; a Llama decodes one token a step
 SPLITS_LENGTH = {"llama": False, "bd3lm": True}
+
+
+def check_decoder(family: str, model: str) -> None:
+    """Refuse, in words, a model of a family serving has no decoder for."""
+    if family not in SPLITS_LENGTH:
+        words = {name: f.words for name, f in models.FAMILIES.items()}
+        raise JaxparError(f"model {model} is a {words[family]}, which jaxpar generate has no decoder for (it has one for "
+                          f"{', '.join(words[f] + 's' for f in SPLITS_LENGTH)}); evaluate it with jaxpar check instead")
 
 
 def is_int(x) -> bool:
@@ -66,14 +76,32 @@ def pick(logits, temperature: float, top_p: float, key):
     return jax.random.categorical(key, scaled, -1).astype(jnp.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServePlan:
+    """Serving's decisions under a layout (``plan_serving``), made before any weight is placed."""
+
+    layout: Layout | None  # None: one device
+    family: str
+    manual: bool  # run inside one shard_map, jaxpar's own collectives placing them (delayed TP)
+    compiler_options: dict | None
+
+
+def plan_serving(layout: Layout | None, state, family: str) -> ServePlan:
+    """The plan of serving a model of ``family`` (weights ``state``, abstract or not) under
+    ``layout``: a mesh axis that would only copy work is refused (``check_layout``), and the
+    strategies say whether it runs inside one shard_map and with which compile options."""
+    check_layout(layout, state, family)
+    return ServePlan(layout, family, serves_manually(layout), compiler_options(layout))
+
+
 class Served:
     """A model's weights placed for serving under ``layout`` (default: one device, as they are),
     and the compiled programs of a subclass's ``_name`` methods (``_program``): partitioned by XLA,
-    or, where ``manual`` (a layout only jaxpar's own collectives can run: delayed TP), run inside
-    one ``shard_map`` over the layout's mesh with the model's ``jaxpar.nn`` calls placing them."""
+    or, where the plan is ``manual`` (a layout only jaxpar's own collectives can run: delayed TP),
+    run inside one ``shard_map`` over the layout's mesh with the model's ``jaxpar.nn`` calls
+    placing them."""
 
     DONATES: dict = {}  # program name -> the arguments it consumes (a cache it returns updated)
-    manual = False
     family = ""  # a key of FAMILIES (a subclass's)
 
     def __init__(self, model, layout: Layout | None, vocab, model_vocab: int, vocab_name: str):
@@ -82,7 +110,7 @@ class Served:
             raise JaxparError(f"vocab={vocab!r} must be an int in [1, {vocab_name}={model_vocab}]: the ids it may produce")
         self.layout = layout
         self._graphdef, state = nnx.split(model)
-        check_layout(layout, state, self.family)
+        self.plan = plan_serving(layout, state, self.family)
         if layout is not None:
             state = map_weights(lambda var: jax.device_put(var.get_value(), compute_sharding(var, layout)), state)
         self._template = state
@@ -94,10 +122,10 @@ class Served:
         key = (name, *static)
         if key not in self._programs:
             fn = functools.partial(getattr(self, "_" + name), *static)
-            if self.manual:
+            if self.plan.manual:
                 fn = self._in_shard_map(fn, *self._specs(name))
             self._programs[key] = jax.jit(fn, donate_argnums=self.DONATES.get(name, ()),
-                                          compiler_options=compiler_options(self.layout))
+                                          compiler_options=self.plan.compiler_options)
         return self._programs[key]
 
     def _specs(self, name: str):
@@ -201,7 +229,10 @@ def checkpoint_family(checkpoint_dir: str, step: int | None = None) -> str:
     try:
         for candidate in _steps_to_try(ckpt, checkpoint_dir, step):
             try:
-                return model_family(model_config(ckpt.read_meta(candidate)["model"]))
+                model = ckpt.read_meta(candidate)["model"]
+                family = family_of(model_config(model)).name
+                check_decoder(family, model)
+                return family
             except checkpoint_lib.CheckpointDamaged:
                 if step is not None or candidate == ckpt.steps()[0]:
                     raise
@@ -211,7 +242,7 @@ def checkpoint_family(checkpoint_dir: str, step: int | None = None) -> str:
 
 def restore_model(checkpoint_dir: str, family: str, *, layout: Layout | None = None, step: int | None = None, check_meta=None):
     """(model, meta) of a ``jaxpar train`` checkpoint of a model of ``family``
-    (``models.model_family``: llama, bd3lm): checkpoint ``step``, or by default the newest that
+    (``models.FAMILIES``' names: llama, bd3lm): checkpoint ``step``, or by default the newest that
     verifies (a newer damaged one is named in a warning, and left where it is). Only the
     TrainState's parameters are read, straight into ``layout``'s compute shardings (default: the
     first device), and checked against their saved checksums. ``check_meta(meta, cfg)`` may
@@ -243,8 +274,8 @@ def _restore_step(ckpt, checkpoint_dir: str, step: int, family: str, layout: Lay
     """``restore_model`` of one step; raises CheckpointDamaged naming what is damaged."""
     meta = ckpt.read_meta(step)
     cfg = model_config(meta["model"])
-    if model_family(cfg) != family:
-        raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} holds {meta['model']!r}, a {FAMILIES[model_family(cfg)]}; "
+    if family_of(cfg).name != family:
+        raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} holds {meta['model']!r}, a {FAMILIES[family_of(cfg).name]}; "
                           f"this generates from {FAMILIES[family]}s")
     if check_meta is not None:
         check_meta(meta, cfg)

@@ -19,7 +19,7 @@ Under a layout (``Decoder(layout=...)``) the weights are placed as the layout co
 programs are partitioned by XLA (under ``rules.use_layout`` the model's ``jaxpar.nn`` calls become
 sharding constraints); greedy decoding equals one device's. Under delayed TP (``delay=1``) each
 device keeps a residual stream of its own, which only jaxpar's collectives can run: the programs
-then run inside one ``shard_map`` (``Served.manual``), each device's cache holding its own
+then run inside one ``shard_map`` (``ServePlan.manual``), each device's cache holding its own
 key/value heads, and the logits' vocabulary shards summed into whole rows before an id is picked.
 On either path the rows are padded to a whole number per data shard (copies of the first prompt,
 their outputs dropped), and a layout axis that would only copy work (``context``: one token a
@@ -48,6 +48,7 @@ from jaxpar.attention import DEFAULT_BLOCK
 from jaxpar.errors import JaxparError
 from jaxpar.models.llama import LOGITS, LlamaConfig
 from jaxpar.nn import shard_offset
+from jaxpar.parallel import serves_manually
 from jaxpar.parallel.tensor import DELAYED
 from jaxpar.rules import Layout, use_layout
 from jaxpar.serve.common import (BYTE_VOCAB, Generated, Served, check_pick, decode_tokens, encode_text, is_int, pad_rows, pick,
@@ -83,8 +84,7 @@ class Decoder(Served):
             raise JaxparError(f"the decoder generates from a Llama (models.llama.Llama); got a {type(model).__name__} with a "
                               f"{type(cfg).__name__} (block diffusion models have their own sampler: jaxpar.serve.bd3lm)")
         self.cfg = cfg
-        self.manual = layout is not None and bool(layout.role(DELAYED))
-        if self.manual:
+        if serves_manually(layout):  # (the plan's manual programs: each device's own heads in its cache)
             for name, count in (("kv_heads", cfg.kv_heads), ("heads", cfg.heads)):
                 ways = math.prod(layout.mesh.shape[a] for a in layout.axes_of(name))
                 if count % ways:
@@ -103,7 +103,7 @@ class Decoder(Served):
     def _whole_vocab(self, logits):
         """The logits of every id: under the manual programs each device holds its vocabulary shard,
         summed here into whole rows (the same on every device, so each picks the same id)."""
-        axes = self.layout.axes_of("vocab") if self.manual else ()
+        axes = self.layout.axes_of("vocab") if self.plan.manual else ()
         if not axes:
             return logits
         whole = jnp.zeros(logits.shape[:-1] + (self.cfg.vocab_size,), logits.dtype)
@@ -182,7 +182,7 @@ class Decoder(Served):
         dtype = self.params["embedding"].dtype
         shape = (self.cfg.layers, rows, slots, self.cfg.kv_heads, self.cfg.head_dim)
         cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-        if self.manual:
+        if self.plan.manual:
             cache = jax.device_put(cache, NamedSharding(self.layout.mesh, self._specs("step")[0][1][0]))
         key, statics, seconds = jax.random.key(seed), (float(temperature), float(top_p)), []
         with use_layout(self.layout):

@@ -35,13 +35,8 @@ def acc_zeros(x, scatters, layout: Layout):
     return vary_over(zeros, varying_axes(x) | set(layout.loss_axes))
 
 
-def accumulator_bytes(acc) -> int:
-    """Per-device bytes of an accumulator (the memory report reads it)."""
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(acc))
-
-
 def accumulate(value_and_grad, params, micro, reduce, plans: dict, layout: Layout):
-    """(losses, summed gradients, accumulator bytes per device) over the micro-batches ``micro``
+    """(losses, summed gradients) over the micro-batches ``micro``
     (stacked on dim 0): ``value_and_grad(params, micro_batch)`` gives one micro-batch's loss and
     gradient, ``reduce(gradient)`` its per-micro-batch reductions (``plans[path].per_micro``, by
     which the buffer is shaped)."""
@@ -51,6 +46,5 @@ def accumulate(value_and_grad, params, micro, reduce, plans: dict, layout: Layou
         return jax.tree.map(jnp.add, acc, reduce(grads)), loss
 
     acc = nest({p: acc_zeros(v, plans[p].per_micro, layout) for p, v in flatten(params).items()})
-    nbytes = accumulator_bytes(acc)
     acc, losses = jax.lax.scan(micro_step, acc, micro)
-    return losses, acc, nbytes
+    return losses, acc

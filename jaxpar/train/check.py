@@ -108,7 +108,7 @@ def check_trainer(trainer, batch, tolerance: float | None = None, seed: int = 0)
         t = Trainer(layout, trainer.model_fn, trainer.loss_fn, cfg, trainer.optimizer)
         state = t.init(seed)
         loss, _, grads = jax.jit(t.grad_fn())(state.params, t.put_batch(batch))
-        results.append((t.path, float(loss), jax.tree_util.tree_leaves_with_path(jax.device_get(grads))))
+        results.append((t.plan.path, float(loss), jax.tree_util.tree_leaves_with_path(jax.device_get(grads))))
     (path, loss, got), (_, reference_loss, want) = results
     weights = []
     for (key, a), (_, b) in zip(got, want):

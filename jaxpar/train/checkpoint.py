@@ -67,6 +67,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxpar.errors import JaxparError, JobFailed, size_text
+from jaxpar.flags import flag
 
 LOCK_NAME = "jaxpar.lock"
 DAMAGED_SUFFIX = ".damaged"
@@ -90,9 +91,13 @@ class CheckpointWriteFailed(JobFailed):
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    directory: str
-    every: int = 100  # save every this many steps (and after the last step)
-    keep: int = 3  # complete checkpoints kept; older ones are deleted once a newer one is verified
+    # jaxpar train's options (jaxpar.flags); every and keep are None there unless given (without a directory, refused)
+    directory: str = flag(name="checkpoint-dir", metavar="DIR", help="save checkpoints here")
+    # save every this many steps (and after the last step)
+    every: int = flag(100, name="checkpoint-every", given=True, metavar="K", help="save every K steps and after the last (default 100)")
+    # complete checkpoints kept; older ones are deleted once a newer one is verified
+    keep: int = flag(3, name="keep-checkpoints", given=True, metavar="N",
+                     help="keep the last N checkpoints; older ones go once one of these verifies (default 3)")
     async_save: bool = True  # write in the background while training goes on
 
 

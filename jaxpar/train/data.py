@@ -25,7 +25,6 @@ import inspect
 import numpy as np
 
 from jaxpar.errors import JaxparError
-from jaxpar.models import bd3lm
 
 VOCAB_SIZE = 256
 
@@ -232,14 +231,12 @@ def documents_at(docs: list[np.ndarray], step: int, count: int, seed: int, max_t
     return [docs[i][:max_tokens] for i in picked]
 
 
-def diffusion_batch_at(
-    tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int, row_start: int, row_stop: int, cfg,
+def family_batch_at(
+    tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int, row_start: int, row_stop: int, family, cfg,
 ) -> dict:
-    """Rows ``[row_start, row_stop)`` of a block diffusion batch (``models.bd3lm``): windows of
-    ``seq_len`` tokens as ``local_batch_at`` picks them, each corrupted by ``bd3lm.corrupt`` at
-    ``cfg``'s block size and noise range, from a generator of its own (seed, step, row): a row is
-    the same whichever process reads it."""
+    """Rows ``[row_start, row_stop)`` of a batch that ``family`` makes from windows of ``seq_len``
+    tokens picked as ``local_batch_at`` picks them (``Family.rows``: a block diffusion model
+    corrupts each, from a generator of its own per row, so a row is the same whichever process
+    reads it)."""
     windows = local_batch_at(tokens, step, batch_size, seq_len, seed, row_start, row_stop)[:, :seq_len]
-    rows = [bd3lm.corrupt(window[None], cfg.block_size, (seed, step, row), mask_id=cfg.mask_id, t_range=cfg.t_range)
-            for row, window in zip(range(row_start, row_stop), windows)]
-    return {key: np.concatenate([r[key] for r in rows]) for key in rows[0]}
+    return family.rows(cfg, windows, seed, step, row_start)

@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import JaxparError
 from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.train import reductions
 from jaxpar.train.step import TrainConfig, Trainer, TrainState
 
 
@@ -223,8 +224,7 @@ class DataCentricTrainer:
 
     def _apply_fn(self, state: TrainState, grads):
         norm = optax.tree.norm(grads)
-        if self.cfg.clip_norm:
-            grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, self.cfg.clip_norm / jnp.maximum(norm, 1e-30)), grads)
+        grads = reductions.clip_to(grads, norm, self.cfg.clip_norm)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), norm
 

@@ -14,8 +14,6 @@ splits the batch (every weight, stacked layers too, is gathered whole at the sta
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -23,7 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxpar.rules import gather_layers_when_read, use_layout
-from jaxpar.train import remat
+from jaxpar.train import reductions, remat
 
 AUTO_AXIS_ERROR = "of type Auto"  # JAX's words when out_sharding names an axis that is not explicit
 
@@ -73,7 +71,7 @@ def grads_fn(trainer, explicit: bool):
             return trainer.loss_fn(nnx.merge(trainer.graphdef, state), micro_batch)
 
     def value_and_grad(params, micro_batch):
-        fn = jax.value_and_grad(remat.checkpoint_layer_loops(objective, trainer.remat_policy, trainer.stacked_marks()))
+        fn = jax.value_and_grad(remat.checkpoint_layer_loops(objective, trainer.plan.remat_policy, trainer.stacked_marks()))
         if explicit:  # weights gathered over the explicit axes; the batch typed as split over all of them
             axes = explicit_axes_of(layout)  # (degree-1 axes too: the same rows, and the model's own spelling)
             replicated = jax.tree.map(lambda _: PartitionSpec(), params)
@@ -94,15 +92,6 @@ def grads_fn(trainer, explicit: bool):
         acc, losses = jax.lax.scan(micro_step, zeros, micro)
         g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x / k, acc), opt_shardings)
         norm = optax.tree.norm(g)
-        if cfg.clip_norm:
-            g = jax.tree.map(lambda x: x * jnp.minimum(1.0, cfg.clip_norm / jnp.maximum(norm, 1e-30)), g)
-        return jnp.mean(losses), norm, g
+        return jnp.mean(losses), norm, reductions.clip_to(g, norm, cfg.clip_norm)
 
     return grads
-
-
-def accumulator_bytes(trainer) -> int:
-    """Per-device bytes of the float32 gradient buffer the micro-batch loop carries (grad mapping)."""
-    specs = jax.tree.leaves(trainer.grad_specs_by_param, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    leaves = jax.tree.leaves(trainer.abstract_state().params)
-    return sum(4 * math.prod(jax.sharding.NamedSharding(trainer.layout.mesh, s).shard_shape(x.shape)) for x, s in zip(leaves, specs))

@@ -33,13 +33,13 @@ class BatchPlacement:
     def sharding(self, batch) -> Any:
         return jax.tree.map(lambda _: self._leaf, batch)
 
-    def abstract(self, batch_size: int, seq_len: int, packed: bool = False, diffusion: bool = False):
+    def abstract(self, batch_size: int, seq_len: int, packed: bool = False, fields: dict | None = None):
         """A (batch_size, seq_len + 1) int32 token batch as a sharded ShapeDtypeStruct, for
         compiling a step without data; ``packed``: the dict ``train.data.packed_batch_at`` makes;
-        ``diffusion``: the dict ``train.data.diffusion_batch_at`` makes ([x_t ; x_0], 2 x seq_len)."""
-        if diffusion:
-            dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "positions": jnp.int32, "weights": jnp.float32}
-            return {k: jax.ShapeDtypeStruct((batch_size, 2 * seq_len), t, sharding=self._leaf) for k, t in dtypes.items()}
+        ``fields``: ``{key: (width, dtype)}`` of the rows a model family makes
+        (``Family.batch_fields``: a block diffusion model's [x_t ; x_0], 2 x seq_len)."""
+        if fields is not None:
+            return {k: jax.ShapeDtypeStruct((batch_size, width), t, sharding=self._leaf) for k, (width, t) in fields.items()}
         if packed:
             dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "positions": jnp.int32, "segments": jnp.int32, "weights": jnp.float32}
             return {k: jax.ShapeDtypeStruct((batch_size, seq_len), t, sharding=self._leaf) for k, t in dtypes.items()}

@@ -144,9 +144,16 @@ def global_norm(grads, layout: Layout, names: dict):
 
 
 def clip(grads, layout: Layout, names: dict, clip_norm: float):
-    """(global norm, gradients clipped to ``clip_norm``; 0: not clipped)."""
+    """(global norm, gradients clipped to ``clip_norm``; 0: not clipped), inside the manual step."""
     norm = global_norm(grads, layout, names)
-    if clip_norm:
-        scale = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30))
-        grads = jax.tree.map(lambda g: g * scale, grads)
-    return norm, grads
+    return norm, clip_to(grads, norm, clip_norm)
+
+
+def clip_to(grads, norm, clip_norm: float):
+    """``grads``, whose global norm is ``norm``, scaled down to norm ``clip_norm`` (0: as they
+    are). Every path's clipping (optax's clip_by_global_norm divides instead, and computes a norm
+    of its own, which on the manual path is a sum across devices: ``global_norm``)."""
+    if not clip_norm:
+        return grads
+    scale = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30))
+    return jax.tree.map(lambda g: g * scale, grads)

@@ -30,17 +30,17 @@ from flax.traverse_util import flatten_dict as flatten
 from flax.traverse_util import unflatten_dict as nest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import attention, parallel
+from jaxpar import attention
 from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
+from jaxpar.parallel import STRATEGIES
 from jaxpar.parallel import pipeline as pipeline_lib
-from jaxpar.parallel import STRATEGIES, fsdp, schedules
 from jaxpar.rules import Layout, gather_layers_when_read, gather_params, record_model_calls, use_layout, vary_over, varying_axes
 from jaxpar.train import check as check_lib
 from jaxpar.train import grad_sync, gspmd, partial_sums, reductions, remat
-from jaxpar.train.accumulate import accumulate, accumulator_bytes, local_microbatches
-from jaxpar.train.config import NONFINITE, PATHS, TrainConfig
-from jaxpar.train.placement import BatchPlacement
-from jaxpar.train.state import ShardedState, TrainState, abstract_model, make_optimizer, variables
+from jaxpar.train.accumulate import accumulate, local_microbatches
+from jaxpar.train.config import TrainConfig
+from jaxpar.train.plan import Plan, check_calls, make_plan
+from jaxpar.train.state import TrainState
 
 
 
@@ -93,145 +93,28 @@ class Trainer:
     put_batch = _Part("placement", "put")
     put_process_batch = _Part("placement", "put_process")
 
-    def __init__(self, layout: Layout, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(), optimizer=None):
-        self.layout, self.model_fn, self.loss_fn, self.cfg = layout, model_fn, loss_fn, cfg
-        if cfg.path not in PATHS:
-            raise JaxparError(f"path={cfg.path!r} is unknown; use {', '.join(PATHS)}")
-        if cfg.attention not in attention.IMPLEMENTATIONS:
-            raise JaxparError(f"attention={cfg.attention!r} is unknown; use {', '.join(attention.IMPLEMENTATIONS)}")
-        parallel.check_run(layout, cfg)  # e.g. a kernel the context ring would not run
-        attention.check_platform(cfg.attention, layout.mesh.devices.flat[0].platform, "this mesh")
-        if cfg.nonfinite not in NONFINITE:
-            raise JaxparError(f"nonfinite={cfg.nonfinite!r} is unknown; use stop (raise NonFiniteStep) or skip (drop the step's update)")
-        # which path places the collectives, and why; decided when the step is first traced
-        self.path = None if cfg.path == "auto" else cfg.path
-        self.path_reason = None if cfg.path == "auto" else f"path={cfg.path!r} was asked for"
-        self._explicit = False  # GSPMD path: the model needs explicit mesh axes (its own out_sharding)
-        self._path_decided = False
-        self.optimizer = optimizer or make_optimizer(cfg)
-        remat.policy(cfg.remat, False)  # refuses an unknown cfg.remat before any work
-        # checks every weight against the layout, before any device memory is touched
-        self.sharded_state = ShardedState(layout, model_fn, self.optimizer, *abstract_model(model_fn))
-        # FSDP: gather the layers' weights again for the backward pass, or keep them (and why)
-        self.regather, self.regather_reason = self._choose_regather()
-        # each layer loop's checkpoint policy (None: no checkpoint)
-        self.remat_policy = remat.policy(cfg.remat, self.regather)
-        remat.check_layer_loops(cfg.remat, self.stacked_marks())
-        self.placement = BatchPlacement(layout, cfg.microbatches)
-        shapes = {p: v.get_value().shape for p, v in variables(self.abstract).items()}
-        for module in STRATEGIES:  # e.g. heads the context all-to-all cannot split
-            module.check_weights(layout, {p: (self.written_names[p], shapes[p]) for p in shapes})
-        self.grad_sync = grad_sync.resolve(cfg, layout)  # None: exact
-        self.pipeline, self.schedule, self.program = self._pipeline()
-        # per weight: the mesh axes its gradient is reduced over, and where (reductions.ReductionPlan)
-        self._plans = {p: reductions.reduction_plan(layout, names) for p, names in self.names.items()}
-        # compressed all-reduces, one bucket per set of axes: [(axes, [paths])]; other paths are done in the step's shard_map
-        self._buckets, self._done_paths = reductions.all_reduce_buckets(self._plans, self.grad_sync, cfg.microbatches)
+    def __init__(self, layout: Layout, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(), optimizer=None, batch=None):
+        """Plans (``plan.make_plan``) and runs a step of ``model_fn``'s ``loss_fn`` under ``layout``;
+        ``batch`` (arrays or ShapeDtypeStructs) decides the path now rather than at the first step."""
+        self._run(make_plan(layout, model_fn, loss_fn, cfg, optimizer, batch))
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> Trainer:
+        trainer = cls.__new__(cls)
+        trainer._run(plan)
+        return trainer
+
+    def _run(self, plan: Plan):
+        self.plan = plan  # every decision; replaced once, when the path is decided
+        self.layout, self.model_fn, self.loss_fn, self.cfg, self.optimizer = plan.layout, plan.model_fn, plan.loss_fn, plan.cfg, plan.optimizer
+        self.sharded_state, self.placement = plan.sharded_state, plan.placement
         self._step = None
-        self.accumulator_bytes = None  # set when the step is traced
         self._sums_checked = False  # the forward pass is searched for unfinished partial sums once
 
-    def _choose_regather(self) -> tuple[bool, str]:
-        """The layout's regather, or under regather=auto the choice by memory (``fsdp.choose_regather``)."""
-        if self.layout.regather is not None:
-            return self.layout.regather, f"regather={'on' if self.layout.regather else 'off'} was asked for"
-        kept = self.sharded_state.gathered_layer_bytes(jnp.dtype(self.cfg.compute_dtype).itemsize)
-        if not kept:
-            return False, "the layout gathers no stacked layer weights"
-        memory = self.cfg.memory_bytes
-        if memory is None:
-            try:
-                stats = self.layout.mesh.devices.flat[0].memory_stats()
-            except Exception:  # compile-only devices (an ahead-of-time TPU target) hold no memory to report
-                stats = None
-            memory = (stats or {}).get("bytes_limit")  # CPUs report none
-        return fsdp.choose_regather(kept, sum(self.stored_bytes_per_device().values()), memory)
-
-    def _pipeline(self):
-        """(model split into pipeline pieces, schedule, lowered program) when the mesh has a stage
-        axis: any model is cut at its layer scan (``pipeline.split_at_layer_scan``), each stage's
-        chunk of that scan checkpointed by the remat policy."""
-        stages = dict(self.layout.mesh.shape).get("stage", 1)
-        if stages == 1:
-            return None, None, None
-        if self.grad_sync is not None:
-            raise LayoutError(f"grad_sync={self.cfg.grad_sync!r} is not supported with a pipeline (stage={stages}) yet; use grad_sync='exact'")
-        split = pipeline_lib.split_at_layer_scan(self.loss_fn, self.graphdef, self.abstract, wrap_body=remat.checkpoint(self.remat_policy))
-        schedule = schedules.make(self.cfg.schedule, stages, self.cfg.microbatches, self.cfg.chunks)
-        if schedule.asynchronous:
-            raise LayoutError(f"schedule {self.cfg.schedule!r} updates each stage's weights after every micro-batch, "
-                              f"which a training step with one optimizer update does not do; use gpipe, 1f1b, "
-                              f"eager-1f1b or interleaved-1f1b here, or pipeline.pipedream_train "
-                              f"(examples/pipedream.py)")
-        stacked, _ = split.split(nnx.to_pure_dict(self.abstract))
-        pipeline_lib.layers_per_chunk(pipeline_lib.stacked_layers(stacked), schedule)
-        return split, schedule, pipeline_lib.lower(schedule)
-
-
-    def choose_path(self, params, batch):
-        """Decide (once) who places the collectives, from one abstract trace of the loss.
-
-        ``manual`` when the model calls jaxpar's model-facing functions (``jaxpar.nn``:
-        ``reduce_partial``, ``enter_block``, ``cross_entropy``...): the step runs in one shard_map and
-        every collective is placed on purpose, at the analytic optimum. ``gspmd`` when it makes no
-        such call (a model written for plain Flax): XLA's partitioner places them (``gspmd.py``)."""
-        # a model width split while computing (AxoNN's tp_x) only XLA's partitioner can run: jaxpar's
-        # manual step keeps ``embed`` whole inside a block (a model's norm takes its mean locally)
-        width_axes = self.layout.axes_of("embed")
-        if width_axes and self.cfg.path == "manual":
-            raise LayoutError(f"path='manual' was asked for, but the layout splits the model width (embed) over "
-                              f"{'/'.join(width_axes)} while computing, which only the GSPMD path runs (jaxpar's manual "
-                              f"step keeps embed whole inside a block); use path='auto' or 'gspmd', or tp_x=1")
-        if self._path_decided or self.cfg.path == "manual":
-            return self.path
-        avals = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
-        probe = lambda p, b: self.loss_fn(self.merge(p), b)  # noqa: E731
-        explicit, calls = False, []
-        with use_layout(self.layout), jax.sharding.use_abstract_mesh(self.layout.mesh.abstract_mesh):
-            try:
-                with record_model_calls() as calls:
-                    jax.eval_shape(probe, avals(params), avals(batch))
-            except ValueError as error:
-                if not gspmd.needs_explicit_axes(error):
-                    raise
-                explicit = True
-        if explicit:  # trace again with the batch axes explicit, to see every call the model makes
-            explicit_mesh = self.layout.mesh.abstract_mesh.update_axis_types(
-                {a: jax.sharding.AxisType.Explicit for a in gspmd.explicit_axes_of(self.layout)})
-            with use_layout(self.layout), jax.sharding.use_abstract_mesh(explicit_mesh), record_model_calls() as calls:
-                jax.eval_shape(probe, avals(params), avals(batch))
-        used = sorted(set(calls))
-        self._check_required_calls(used)
-        if self.path is None:
-            if width_axes:
-                self.path = "gspmd"
-                self.path_reason = (f"the layout splits the model width (embed) over {'/'.join(width_axes)} while computing "
-                                    f"(AxoNN's tp_x), which jaxpar's manual step does not: XLA's partitioner places the "
-                                    f"collectives (GSPMD), the model's constraints holding its layout")
-            elif used or self.pipeline is not None:
-                self.path = "manual"
-                self.path_reason = (f"the model calls jaxpar's {', '.join(used)}: one shard_map, every collective placed by jaxpar"
-                                    if used else "the layout pipelines the model's layers")
-            else:
-                self.path = "gspmd"
-                self.path_reason = "the model makes no jaxpar call: XLA's partitioner places the collectives (GSPMD)"
-        self._explicit = explicit and self.path == "gspmd"
-        self._path_decided = True
-        if self._explicit:
-            self.path_reason += ("; its out_sharding needs explicit mesh axes, so the batch axes are explicit inside the "
-                                 "model and every weight enters gathered over them (stacked layers are not gathered one at a time)")
-        if self.path == "gspmd":
-            if self.layout.regather is None and self.regather:  # regather=auto: only the manual step gathers again
-                self.regather, self.remat_policy = False, remat.policy(self.cfg.remat, False)
-                self.regather_reason += "; but the GSPMD path cannot gather again, so they are kept"
-            self._check_gspmd(used)
-        return self.path
-
-    def _check_required_calls(self, calls):
-        """Refuse a model that never made a call a strategy needs (context parallelism: jaxpar's
-        attention op; block parallelism: the batch's share; delayed TP: ``residual_add``)."""
-        for module in STRATEGIES:
-            module.check_calls(self.layout, calls)
+    def choose_path(self, params, batch) -> str:
+        """The plan's path (``plan.choose_path``), decided on the first call from ``params`` and ``batch``."""
+        self.plan = self.plan.decide_path(params, batch)
+        return self.plan.path
 
     def _check_partial_sums(self, model_loss, params, micro):
         """Refuse, from one trace of the forward pass (nothing compiled), a partial sum the model
@@ -246,23 +129,13 @@ class Trainer:
             partial_sums.check(jaxpr, seeds, axes)
         self._sums_checked = True
 
-    def _check_gspmd(self, calls):
-        """Refuse what only the manual path does (``calls``: the jaxpar calls the model makes)."""
-        asked = ["a compressed grad_sync"] if self.grad_sync is not None else []
-        asked += [what for module in STRATEGIES if (what := module.manual_only(self.layout, calls))]
-        if asked:
-            where = (" (sequence parallelism and collective matmul split and gather the sequence where the model calls "
-                     "jaxpar.nn.enter_block and reduce_partial)" if any(a.endswith("=on)") for a in asked) else "")
-            raise LayoutError(f"{' and '.join(asked)} needs jaxpar's manual step{where}, but {self.path_reason}. "
-                              f"Write the model with jaxpar's model-facing calls (jaxpar.nn), or drop {asked[0]}")
-
     def _local_grads(self, params, batch, seed=None, plans=None):
         """Runs on every device inside shard_map: mean loss and reduced gradient shards (under a
-        compressed sync, the weights in ``self._buckets`` are left for ``grad_fn`` to all-reduce).
+        compressed sync, the weights in the plan's buckets are left for ``grad_fn`` to all-reduce).
         ``seed``: the compressed sync's dither seed this step; ``plans``: other reductions than
         the layout's (``local_grad_fn``: none)."""
-        layout, cfg = self.layout, self.cfg
-        plans = self._plans if plans is None else plans
+        layout, cfg, plan = self.layout, self.cfg, self.plan
+        plans = plan.reductions if plans is None else plans
         k = cfg.microbatches
         shards = layout.loss_shards * k
 
@@ -278,27 +151,25 @@ class Trainer:
             gather_layers_when_read(state)  # stacked ones, one layer at a time in the model's loop
             return self.loss_fn(nnx.merge(self.graphdef, state), mb) / shards
 
-        if self.pipeline is None and not self._sums_checked:
+        if plan.pipeline is None and not self._sums_checked:
             self._check_partial_sums(model_loss, varying, micro)
-        objective = remat.checkpoint_layer_loops(model_loss, self.remat_policy, self.stacked_marks())
+        objective = remat.checkpoint_layer_loops(model_loss, plan.remat_policy, self.stacked_marks())
 
         def reduce(grads, which):
-            return reductions.reduce(grads, plans, which, jnp.dtype(cfg.grad_reduce_dtype), self.grad_sync, seed, k)
+            return reductions.reduce(grads, plans, which, jnp.dtype(cfg.grad_reduce_dtype), plan.grad_sync, seed, k)
 
         with record_model_calls() as calls:
-            if self.pipeline is not None:  # the schedule runs the micro-batches through the stages
-                stacked, edge = self.pipeline.split(varying)
+            if plan.pipeline is not None:  # the schedule runs the micro-batches through the stages
+                stacked, edge = plan.pipeline.split(varying)
                 loss, stacked_grads, edge_grads = pipeline_lib.stage_grads(
-                    self.program, self.pipeline.pieces, stacked, edge, micro, chunks=cfg.chunks, loss_scale=1.0 / shards)
-                acc = self.pipeline.merge(stacked_grads, edge_grads)
-                self.accumulator_bytes = accumulator_bytes(acc)
+                    plan.program, plan.pipeline.pieces, stacked, edge, micro, chunks=cfg.chunks, loss_scale=1.0 / shards)
+                acc = plan.pipeline.merge(stacked_grads, edge_grads)
                 losses = loss[None]
-            else:  # per-device bytes of the buffer the micro-batch loop carries (the memory report reads it)
-                losses, acc, self.accumulator_bytes = accumulate(
-                    jax.value_and_grad(objective), varying, micro, lambda g: reduce(g, "micro"), plans, layout)
-        self._check_required_calls(calls)
+            else:
+                losses, acc = accumulate(jax.value_and_grad(objective), varying, micro, lambda g: reduce(g, "micro"), plans, layout)
+        check_calls(layout, calls)
         loss = jax.lax.psum(jnp.sum(losses), layout.loss_axes) if layout.loss_axes else jnp.sum(losses)
-        if self.pipeline is not None:
+        if plan.pipeline is not None:
             return loss, reduce(reduce(acc, "micro"), "final")
         unfinished = sorted(varying_axes(loss))
         if unfinished:
@@ -320,7 +191,7 @@ class Trainer:
             raise LayoutError(f"local_grad_fn needs every weight stored whole, but this layout splits weights over {split}; "
                               f"use data and context axes only")
         devices = tuple(a for a in layout.mesh.axis_names if layout.mesh.shape[a] > 1)
-        unreduced = {p: reductions.ReductionPlan([], [], [], ()) for p in self._plans}
+        unreduced = {p: reductions.ReductionPlan([], [], [], ()) for p in self.plan.reductions}
         dtypes = {"compute_dtype": self.cfg.compute_dtype, "grad_reduce_dtype": self.cfg.grad_reduce_dtype}
 
         def run(params, batch):
@@ -330,7 +201,7 @@ class Trainer:
 
         def fn(params, batch):
             if self.choose_path(params, batch) != "manual":
-                raise LayoutError(f"local_grad_fn runs jaxpar's manual step, but {self.path_reason}")
+                raise LayoutError(f"local_grad_fn runs jaxpar's manual step, but {self.plan.path_reason}")
             out_specs = (PartitionSpec(), jax.tree.map(lambda _: PartitionSpec(devices or None), params))
             with _manual_errors():
                 return jax.shard_map(run, mesh=layout.mesh, in_specs=(self.param_specs, self.placement.spec), out_specs=out_specs)(params, batch)
@@ -344,7 +215,7 @@ class Trainer:
     def grad_fn(self):
         """(params, batch, step=None) -> (loss, gradient norm, clipped gradients laid out like the
         optimizer state), under the layout. ``step`` seeds a compressed sync's dither (0 if None)."""
-        mesh, layout, sync = self.layout.mesh, self.layout, self.grad_sync
+        mesh, layout, sync = self.layout.mesh, self.layout, self.plan.grad_sync
         batch_spec = self.placement.spec
         replicated = PartitionSpec()
 
@@ -362,8 +233,7 @@ class Trainer:
         def grads(params, batch, step=None):
             if self.choose_path(params, batch) == "gspmd":
                 with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), attention.use_implementation(self.cfg.attention):
-                    self.accumulator_bytes = gspmd.accumulator_bytes(self)
-                    return gspmd.grads_fn(self, self._explicit)(params, batch)
+                    return gspmd.grads_fn(self, self.plan.explicit)(params, batch)
             with _manual_errors():
                 return manual(params, batch, step)
 
@@ -372,12 +242,12 @@ class Trainer:
             out_specs = (replicated, replicated, self.opt_specs_by_param)
             if sync is None:
                 fn = jax.shard_map(clipped, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-                if self.schedule is not None and self.schedule.chunks > 1:  # interleaved: device s holds chunks s, s+S, ...
+                if self.plan.schedule is not None and self.plan.schedule.chunks > 1:  # interleaved: device s holds chunks s, s+S, ...
                     loss, norm, g = fn(self._reorder(params, pipeline_lib.to_stage_order), batch)
                     return loss, norm, self._reorder(g, pipeline_lib.to_layer_order)
                 return fn(params, batch)
             seed = grad_sync.step_seed(0 if step is None else step)
-            if not self._buckets:
+            if not self.plan.buckets:
                 fn = jax.shard_map(clipped, mesh=mesh, in_specs=in_specs + (replicated,), out_specs=out_specs)
                 return fn(params, batch, seed)
             return self._compressed_all_reduce(run, in_specs, out_specs)(params, batch, seed)
@@ -385,8 +255,8 @@ class Trainer:
         return grads
 
     def _reorder(self, params, order):
-        stacked, edge = self.pipeline.split(params)
-        return self.pipeline.merge(order(stacked, self.schedule), edge)
+        stacked, edge = self.plan.pipeline.split(params)
+        return self.plan.pipeline.merge(order(stacked, self.plan.schedule), edge)
 
     def _compressed_all_reduce(self, run, in_specs, out_specs):
         """The step's gradients when some all-reduces are compressed, as two shard_maps.
@@ -396,41 +266,41 @@ class Trainer:
         ppermutes make the result "varying" to shard_map's type checks, which have no cast back;
         so the second shard_map, unchecked (check_vma=False), all-reduces the buckets, splits them
         into weights, and computes the norm and the clipping."""
-        mesh, sync = self.layout.mesh, self.grad_sync
+        mesh, sync, buckets, done_paths = self.layout.mesh, self.plan.grad_sync, self.plan.buckets, self.plan.done_paths
         per_device = PartitionSpec(tuple(a for a in mesh.axis_names if mesh.shape[a] > 1))
         specs = flatten(self.opt_specs_by_param)
-        done_specs = [specs[p] for p in self._done_paths]
+        done_specs = [specs[p] for p in done_paths]
         shapes = {}  # bucket axes -> local shapes of its weights, read while the first map traces
 
         def local(params, batch, seed):
             loss, grads = run(params, batch, seed)
             flat = flatten(grads)
-            buckets = []
-            for axes, paths in self._buckets:
+            packed = []
+            for axes, paths in buckets:
                 shapes[axes] = [flat[p].shape for p in paths]
-                buckets.append(grad_sync.pack([flat[p] for p in paths])[None])
-            return loss, [flat[p] for p in self._done_paths], buckets
+                packed.append(grad_sync.pack([flat[p] for p in paths])[None])
+            return loss, [flat[p] for p in done_paths], packed
 
-        def synced(done, buckets, seed):
-            flat = dict(zip(self._done_paths, done))
-            for (axes, paths), bucket in zip(self._buckets, buckets):
+        def synced(done, packed, seed):
+            flat = dict(zip(done_paths, done))
+            for (axes, paths), bucket in zip(buckets, packed):
                 total = sync.all_reduce(bucket[0], axes, seed, ("all-reduce", axes))
                 flat.update(zip(paths, grad_sync.unpack(total, shapes[axes])))
             return self._clip(nest(flat))
 
-        bucket_specs = [per_device] * len(self._buckets)
+        bucket_specs = [per_device] * len(buckets)
 
         def fn(params, batch, seed):
             first = jax.shard_map(
                 local, mesh=mesh, in_specs=in_specs + (PartitionSpec(),),
                 out_specs=(PartitionSpec(), done_specs, bucket_specs),
             )
-            loss, done, buckets = first(params, batch, seed)
+            loss, done, packed = first(params, batch, seed)
             second = jax.shard_map(
                 synced, mesh=mesh, in_specs=(done_specs, bucket_specs, PartitionSpec()), out_specs=out_specs[1:],
                 check_vma=False,
             )
-            return (loss, *second(done, buckets, seed))
+            return (loss, *second(done, packed, seed))
 
         return fn
 
@@ -459,7 +329,7 @@ class Trainer:
             in_shardings=(self.state_shardings, self.batch_sharding(batch_example)),
             out_shardings=(self.state_shardings, {"loss": replicated, "grad_norm": replicated, "finite": replicated}),
             donate_argnums=(0,) if self.cfg.donate else (),
-            compiler_options=parallel.compiler_options(self.layout),
+            compiler_options=self.plan.compiler_options,
         )
 
     def step(self, state: TrainState, batch):

@@ -36,22 +36,19 @@ import math
 from jaxpar.errors import LayoutError, SpecError
 from jaxpar.mesh import divisors
 from jaxpar.parallel import data
-from jaxpar.parallel.block.blocks import BLOCKS, attention_work, fetch_plan
+from jaxpar.parallel.base import option_of
+from jaxpar.parallel.block.blocks import BLOCKS, attention_work, check_degree, fetch_plan
 from jaxpar.parallel.context.split_attention import FETCH, RING, SHARES
 
 AXES = ("block",)
+NEEDS_MODEL = "it splits a block diffusion model's noisy blocks (e.g. --model bd3lm-tiny)"
 CROSSES_DCN = True  # only the gradient all-reduce crosses it, as over data
 CLEAN_KV = ("ring", "fetch")
 
 
-def _clean_kv(key: str, text: str) -> str:
-    if text not in CLEAN_KV:
-        raise SpecError(f"option {key}={text!r}: choose ring (the clean keys and values travel the context ring) or fetch "
-                        f"(each device fetches, in one all-to-all, the clean blocks its sliding windows read)")
-    return text
-
-
-OPTIONS = {"clean_kv": (_clean_kv, "ring")}
+OPTIONS = {"clean_kv": (option_of({k: k for k in CLEAN_KV}, "choose ring (the clean keys and values travel the context "
+                                   "ring) or fetch (each device fetches, in one all-to-all, the clean blocks its sliding "
+                                   "windows read)"), "ring")}
 
 
 def check(strategy):
@@ -112,6 +109,13 @@ def roles(strategy) -> dict[str, tuple[str, ...]]:
     blocks = AXES + (("context",) if strategy.block_ranks > 1 else ())
     fetch = ("context",) if strategy.options["clean_kv"] == "fetch" else ()
     return {BLOCKS: blocks, SHARES: blocks, FETCH: fetch}
+
+
+def check_model(strategy, cfg, seq_len: int):
+    """Refuse diffusion blocks the P devices cannot own in pairs (under CSBP 2P blocks also split
+    the clean half over the C ring ranks and let clean_kv=fetch deal them, C dividing P)."""
+    if strategy.block_ranks > 1:
+        check_degree(seq_len // cfg.block_size, strategy.block_ranks)
 
 
 def check_calls(layout, calls):

@@ -32,6 +32,7 @@ from jaxpar import attention
 from jaxpar.errors import LayoutError, SpecError
 from jaxpar.mesh import divisors
 from jaxpar.parallel import data
+from jaxpar.parallel.base import count_option, option_of
 from jaxpar.parallel.context import split_attention
 from jaxpar.parallel.context.split_attention import A2A, FETCH, RING, SHARES, check_heads, local_sequences, rank_work, required_multiple
 
@@ -55,20 +56,11 @@ CROSSES_DCN = False
 ALGORITHMS = ("ring", "all-to-all", "hybrid")
 
 
-def _algorithm(key: str, text: str) -> str:
-    if text not in ALGORITHMS:
-        raise SpecError(f"option {key}={text!r}: choose one of {', '.join(ALGORITHMS)}")
-    return text
-
-
-def _degree(key: str, text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise SpecError(f"option {key}={text!r}: give the number of devices of each all-to-all group, e.g. {key}=2") from None
-
-
-OPTIONS = {"context_algorithm": (_algorithm, "ring"), "a2a": (_degree, 0)}
+OPTIONS = {
+    "context_algorithm": (option_of({a: a for a in ALGORITHMS}, f"choose one of {', '.join(ALGORITHMS)}"), "ring"),
+    # (checked against the context degree by ``reshape``)
+    "a2a": (count_option(lambda n: True, "give the number of devices of each all-to-all group, e.g. a2a=2"), 0),
+}
 
 
 def reshape(degrees: dict, options: dict) -> dict:

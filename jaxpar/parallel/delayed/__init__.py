@@ -21,6 +21,7 @@ report counts the collectives nothing can compute under (``analysis.hlo.blocking
 
 from jaxpar.errors import LayoutError, SpecError
 from jaxpar.parallel import data, tensor
+from jaxpar.parallel.base import count_option
 from jaxpar.parallel.tensor import DELAYED
 
 AXES: tuple[str, ...] = ()  # it delays the sums over tensor's axis
@@ -28,14 +29,8 @@ CROSSES_DCN = False
 DELAYS = (0, 1)
 
 
-def _delay(key: str, text: str) -> int:
-    if text.strip() not in ("0", "1"):
-        raise SpecError(f"option {key}={text!r}: give {key}=1 (each sublayer's all-reduce read one sublayer later) or "
-                        f"{key}=0 (tensor parallelism as it is)")
-    return int(text)
-
-
-OPTIONS = {"delay": (_delay, 0)}
+OPTIONS = {"delay": (count_option(lambda n: n in DELAYS, "give delay=1 (each sublayer's all-reduce read one sublayer later) "
+                                   "or delay=0 (tensor parallelism as it is)"), 0)}
 
 
 def check(strategy):
@@ -76,6 +71,26 @@ def comparable(layout) -> str | None:
     return ("delay=1 computes another function than one device (each sublayer reads the others' sums one "
             "sublayer late), so comparing it with one device says nothing; check the same strategy with "
             "delay=0, which checks the layout's splits and sums")
+
+
+def _delayed_over(strategy) -> int:
+    """The tensor degree whose all-reduces ``strategy`` delays, else 0: one function per degree."""
+    return strategy.degrees["tensor"] if strategy.options["delay"] else 0
+
+
+def changed(saved, strategy) -> str | None:
+    """Why weights trained under ``saved`` are another function under ``strategy`` (None: they are not)."""
+    before, now = _delayed_over(saved), _delayed_over(strategy)
+    if before == now:
+        return None
+    said = lambda d: f"delay=1 over tensor={d}" if d else "no delay=1"  # noqa: E731
+    fix = f"resume with tensor={before},delay=1 in --strategy" if before else "drop delay=1 from --strategy to resume it"
+    return (f"was trained under {saved} ({said(before)}), and this run's strategy {strategy} has {said(now)}: delayed TP is "
+            f"another function of the same weights, one per tensor degree; {fix}")
+
+
+def serves_manually(layout) -> bool:
+    return bool(layout.role(DELAYED))  # each device keeps its own residual stream
 
 
 def runtime_axes(layout) -> tuple[str, ...]:
