@@ -16,7 +16,7 @@ On simulated CPU devices all "devices" share the host's cores, so the step time 
 work (each backward recomputes its forward), not the critical path: the bubble shows in step time
 only on real, parallel devices. The last row is the same model without a pipeline, for reference.
 
-Then the MPMD pipeline (``parallel/mpmd.py``), each stage on 8/S devices with a layout of its own
+Then the MPMD pipeline (``parallel/stage/mpmd.py``), each stage on 8/S devices with a layout of its own
 (``--mpmd-specs``, default alternating ``data=k`` and ``tensor=k``), per schedule: first-step
 seconds (compiles included), step ms, and the activation bytes that crossed between stages per step
 with broadcast delivery against naive per-receiver sends.
@@ -46,9 +46,10 @@ def main():
     from flax import nnx
 
     from jaxpar.models import llama
-    from jaxpar.parallel import build_layout, mpmd, parse_strategy
-    from jaxpar.parallel import pipeline as pl
-    from jaxpar.parallel import schedules as sc
+    from jaxpar.parallel import build_layout, parse_strategy
+    from jaxpar.parallel.stage import mpmd
+    from jaxpar.parallel.stage import pipeline as pl
+    from jaxpar.parallel.stage import schedules as sc
     from jaxpar.train.state import abstract_model
 
     S, m = args.stages, args.microbatches

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from jaxpar.collectives.reshard import plan_reshard  # noqa: E402
 from jaxpar.models import llama  # noqa: E402
-from jaxpar.parallel import mpmd, pipeline, schedules  # noqa: E402
+from jaxpar.parallel.stage import mpmd, pipeline, schedules  # noqa: E402
 from jaxpar.train.state import abstract_model  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxpar.models import llama  # noqa: E402
-from jaxpar.parallel import pipeline, schedules  # noqa: E402
+from jaxpar.parallel.stage import pipeline, schedules  # noqa: E402
 from jaxpar.train.state import abstract_model  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

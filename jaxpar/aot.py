@@ -21,7 +21,8 @@ from jaxpar.errors import JaxparError, JobFailed
 from jaxpar.mesh import dcn_misplaced, divisors, split_ici_dcn
 from jaxpar.models import family_of, llama
 from jaxpar import parallel
-from jaxpar.parallel import build_layout, parse_strategy, schedules
+from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.parallel.stage import schedules
 from jaxpar.topology import Topology
 from jaxpar.run import (
     RunConfig, check_at_least, check_fits_fully_sharded, check_model_axes, check_unused_options, check_writable,

@@ -30,7 +30,8 @@ from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
 from jaxpar.models import CONFIGS, FAMILIES, family_of, model_and_loss, model_config
 from jaxpar.models.family import Family
-from jaxpar.parallel import STRATEGIES, Strategy, build_layout, check_model, parse_strategy, schedules
+from jaxpar.parallel import STRATEGIES, Strategy, build_layout, check_model, parse_strategy
+from jaxpar.parallel.stage import schedules
 from jaxpar.topology import Topology
 from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer

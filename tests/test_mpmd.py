@@ -11,9 +11,10 @@ import pytest
 
 from jaxpar.errors import LayoutError
 from jaxpar.models import llama
-from jaxpar.parallel import build_layout, mpmd, parse_strategy
-from jaxpar.parallel import pipeline as pl
-from jaxpar.parallel import schedules as sc
+from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.parallel.stage import mpmd
+from jaxpar.parallel.stage import pipeline as pl
+from jaxpar.parallel.stage import schedules as sc
 from tests.test_pipeline import (BATCH, WIDTH, adamw_step, assert_close, llama_oracle, mlp_batch, mlp_first,  # noqa: F401 (tiny_llama: a fixture)
                                  mlp_last, mlp_oracle, mlp_params, mlp_stage, tiny_llama)
 

@@ -19,8 +19,8 @@ from jaxpar.analysis.hlo import collectives
 from jaxpar.errors import LayoutError
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
-from jaxpar.parallel import pipeline as pl
-from jaxpar.parallel import schedules as sc
+from jaxpar.parallel.stage import pipeline as pl
+from jaxpar.parallel.stage import schedules as sc
 from jaxpar.train.state import abstract_model
 from jaxpar.train.step import TrainConfig, Trainer
 

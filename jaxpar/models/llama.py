@@ -161,7 +161,7 @@ def loss_fn(model: Llama, batch):
 
 def pipeline_pieces(cfg: LlamaConfig):
     """The Llama as the three pieces a pipeline runs on token batches (b, length + 1), for
-    ``jaxpar.parallel.pipeline.split_by_layer_stack``: ``first(edge, tokens)`` embeds,
+    ``jaxpar.parallel.stage.pipeline.split_by_layer_stack``: ``first(edge, tokens)`` embeds,
     ``stage(layers, x)`` runs a chunk of the stacked layers (an nnx.State), ``last(edge, x,
     tokens)`` is the head and the next-token loss. ``edge`` maps the top-level weights' names to
     their values as computed. The same code as ``Llama.__call__``."""

@@ -36,8 +36,9 @@ from jax.sharding import NamedSharding
 
 from jaxpar import attention, parallel
 from jaxpar.errors import JaxparError, LayoutError
-from jaxpar.parallel import STRATEGIES, schedules
-from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.parallel import STRATEGIES
+from jaxpar.parallel.stage import pipeline as pipeline_lib
+from jaxpar.parallel.stage import schedules
 from jaxpar.rules import Layout, record_model_calls, use_layout
 from jaxpar.train import grad_sync, gspmd, reductions, remat
 from jaxpar.train.config import NONFINITE, PATHS, TrainConfig

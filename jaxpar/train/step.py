@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar import attention
 from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import STRATEGIES
-from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.parallel.stage import pipeline as pipeline_lib
 from jaxpar.rules import Layout, gather_layers_when_read, gather_params, record_model_calls, use_layout, vary_over, varying_axes
 from jaxpar.train import check as check_lib
 from jaxpar.train import grad_sync, gspmd, partial_sums, reductions, remat

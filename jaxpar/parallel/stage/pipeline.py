@@ -56,7 +56,7 @@ from flax import nnx
 
 from jaxpar import layer_scan
 from jaxpar.errors import LayoutError
-from jaxpar.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
+from jaxpar.parallel.stage.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
 from jaxpar.rules import (Layout, gather_layers_when_read, gather_params, gather_plan, gathered, logical_names, stored_shape,
                           use_layout, vary_over, varying_axes)
 

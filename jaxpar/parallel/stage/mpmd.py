@@ -46,8 +46,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.collectives.reshard import compile_reshard
 from jaxpar.errors import LayoutError
 from jaxpar.parallel import OPTIONS, build_layout, parse_strategy
-from jaxpar.parallel.pipeline import PipelineModel, check_microbatches, layers_per_chunk, stacked_layers, sum_over_batch
-from jaxpar.parallel.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
+from jaxpar.parallel.stage.pipeline import PipelineModel, check_microbatches, layers_per_chunk, stacked_layers, sum_over_batch
+from jaxpar.parallel.stage.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
 from jaxpar.rules import Layout, use_layout, vary_over
 
 _is_names = lambda x: isinstance(x, tuple)  # noqa: E731  (a leaf of a logical-names tree)
