@@ -117,9 +117,11 @@ def check_run(run: RunConfig, checkpoint: CheckpointConfig | None = None, resume
     if not 0 <= run.seed < 2**63:  # it seeds jax.random.key and numpy's generator, which take no negative seed
         raise JaxparError(f"--seed {run.seed} must be a whole number from 0 to 2**63-1; pass e.g. --seed 0")
     run_model_config(run)
-    rate = run.train.learning_rate
+    rate, clip = run.train.learning_rate, run.train.clip_norm
     if not (math.isfinite(rate) and rate > 0):
         raise JaxparError(f"--learning-rate {rate:g} must be a finite positive number; give e.g. --learning-rate 3e-3")
+    if not (math.isfinite(clip) and clip >= 0):
+        raise JaxparError(f"--clip-norm {clip:g} must be a finite number, 0 or more (0: no clipping); give e.g. --clip-norm 1.0")
     if resume not in ("never", "auto", "required"):
         raise JaxparError(f"resume={resume!r} is not one of never, auto, required")
     if checkpoint is None:

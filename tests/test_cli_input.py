@@ -27,6 +27,8 @@ BAD_INPUT = [
     ("train --learning-rate nan", "--learning-rate nan "),
     ("train --learning-rate inf", "--learning-rate inf "),
     ("train --learning-rate 0", "--learning-rate 0 "),
+    ("train --clip-norm -1", "--clip-norm -1 "),
+    ("train --clip-norm nan", "--clip-norm nan "),
     ("train --warmup-steps -5", "--warmup-steps -5 "),
     ("train --steps 0", "--steps 0 "),
     ("train --steps -3", "--steps -3 "),

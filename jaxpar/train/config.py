@@ -27,7 +27,7 @@ class TrainConfig:
     warmup_steps: int = flag(20)
     total_steps: int = 300
     weight_decay: float = 0.1
-    clip_norm: float = 1.0
+    clip_norm: float = flag(1.0, help="scale each step's gradient down to this global norm (0: no clipping; default 1.0)")
     b1: float = 0.9
     b2: float = 0.95
     # float32 | bfloat16 (weights stay float32: the master copy)
