@@ -183,7 +183,7 @@ def test_bad_block_degrees_and_models_are_refused_with_the_valid_values():
     csbp = parse_strategy("block=8,context=2", 8)  # the mesh's block axis is 4
     with pytest.raises(LayoutError, match=r"block=8 cannot split 4 diffusion blocks"):
         check_model(csbp, MODEL, 4 * BLOCK_SIZE)
-    assert parse_strategy("block=2,context=2,data=4", 8).block_ranks == 2  # CSBP though the mesh's block axis is 1
+    assert parse_strategy("block=2,context=2,data=4", 8).written_degrees["block"] == 2  # CSBP though the mesh's block axis is 1
     check_model(csbp, MODEL, LENGTH)
     with pytest.raises(SpecError, match=r"clean_kv= says how .* drop clean_kv or add block= and context="):
         parse_strategy("block=8,clean_kv=fetch", 8)

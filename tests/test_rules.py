@@ -53,7 +53,7 @@ def test_sequence_parallel_shards_the_residual_stream_only():
         ("tensor=2,sp=on,data=3", SpecError, "multiplies to 6"),
         ("data=8,zero=1", SpecError, "fsdp=1"),
         ("fsdp=8,sp=on", SpecError, "tensor=1"),
-        ("fsdp=8,zero=4", SpecError, "zero=4"),
+        ("fsdp=8,zero=4", SpecError, "zero=.4.: not a ZeRO stage"),
         ("fsdp=8,regather=maybe", SpecError, "on or off"),
         ("fsdp=8,param_shards=3", SpecError, "param_shards=3 must divide fsdp=8"),
         ("fsdp=8,param_shards=8", SpecError, "strictly between 1 and 8"),

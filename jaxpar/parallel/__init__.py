@@ -53,7 +53,9 @@ class Strategy:
     options: dict  # every option, given or default
     given: dict = dataclasses.field(default_factory=dict)  # the options as written (key -> text)
     written: str = ""  # the degrees as written, e.g. "fsdp=8" for fsdp=4 x fsdp_group=2
-    block_ranks: int = 1  # devices that own a block diffusion model's noisy blocks: the written block=P
+    # the degrees as written where a strategy's ``fold`` re-split them (CSBP's block=P: the mesh's
+    # block axis is P / C), else the mesh's
+    written_degrees: dict = dataclasses.field(default_factory=dict)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -71,11 +73,6 @@ class Strategy:
     def regather(self) -> bool | None:
         """True / False as given; None for auto (the trainer chooses by memory)."""
         return self.options["regather"]
-
-    @property
-    def written_degrees(self) -> dict[str, int]:
-        """The degrees as written where strategies re-split them (CSBP's block=P), else the mesh's."""
-        return dict(self.degrees, **mesh_lib.parse_degrees(self.written)) if self.written else self.degrees
 
     def role(self, name: str) -> tuple[str, ...]:
         """The mesh axes (of more than one device) a strategy's runtime plays ``name`` over, as
@@ -113,14 +110,11 @@ def parse_strategy(text: str, num_devices: int) -> Strategy:
     degrees = spec.degrees
     for module in STRATEGIES:
         degrees = module.reshape(degrees, options)
-    shown = str(spec) if degrees != spec.degrees else ""
-    # CSBP is written with block=P counting every device that owns blocks; the mesh's block axis is
-    # P / C, which is 1 where P = C
-    written_block = mesh_lib.parse_degrees(written).get("block", 1)
-    block_ranks = degrees["block"] * degrees["context"] if written_block != 1 and degrees["context"] > 1 else degrees["block"]
-    if block_ranks > 1 and degrees["context"] > 1:
-        shown = str(dataclasses.replace(spec, degrees=dict(spec.degrees, block=block_ranks)))
-    strategy = Strategy(dataclasses.replace(spec, degrees=degrees), options, given, shown, block_ranks)
+    unfolded = {}  # what a fold re-split, as written
+    for module in STRATEGIES:
+        unfolded.update(module.unfold(degrees, mesh_lib.parse_degrees(written)))
+    shown = str(dataclasses.replace(spec, degrees=dict(spec.degrees, **unfolded))) if degrees != spec.degrees or unfolded else ""
+    strategy = Strategy(dataclasses.replace(spec, degrees=degrees), options, given, shown, dict(degrees, **unfolded))
     for module in STRATEGIES:
         module.check(strategy)
     return strategy

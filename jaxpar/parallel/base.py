@@ -11,7 +11,8 @@ The static half, read before any device is used:
   slow links, its options (``{key: (parse(key, text), default)}``), logical axes kept whole where
   a dim is too short to split over its axes; ``NEEDS_MODEL``: what its axes need of a model, in
   words, where only some model families have it (``Family.axes`` lists the axes a family takes);
-- ``fold(degrees, num_devices)``: the degrees as written -> as the mesh holds them;
+- ``fold(degrees, num_devices)``: the degrees as written -> as the mesh holds them, and
+  ``unfold(degrees, written)``: the mesh's degrees it re-split -> as written (``written_degrees``);
   ``reshape(degrees, options)``: where its options re-split the degrees;
 - ``check(strategy)``: refuse degrees and options that cannot work;
 - ``check_model(strategy, model_cfg, seq_len)``: refuse a model and length it cannot split;
@@ -97,6 +98,10 @@ NEEDS_MODEL: str | None = None
 
 def fold(degrees: dict[str, int], num_devices: int) -> dict[str, int]:
     return degrees
+
+
+def unfold(degrees: dict[str, int], written: dict[str, int]) -> dict[str, int]:
+    return {}
 
 
 def reshape(degrees: dict, options: dict) -> dict:

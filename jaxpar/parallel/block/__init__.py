@@ -53,15 +53,15 @@ OPTIONS = {"clean_kv": (option_of({k: k for k in CLEAN_KV}, "choose ring (the cl
 
 def check(strategy):
     degrees = strategy.degrees
-    if "clean_kv" in strategy.given and not (strategy.block_ranks > 1 and degrees["context"] > 1):
+    if "clean_kv" in strategy.given and not (_ranks(strategy) > 1 and degrees["context"] > 1):
         raise SpecError(f"clean_kv= says how the clean keys and values cross the context axis under CSBP "
                         f"(block=P,context=C); {strategy} has no such split: drop clean_kv or add block= and context=")
-    if strategy.block_ranks == 1:
+    if _ranks(strategy) == 1:
         return
     for axis, why in (("stage", "a pipeline's stages would each hold a share of a different row"),
                       ("expert", "a block diffusion model has no experts")):
         if degrees[axis] > 1:
-            raise SpecError(f"block={strategy.block_ranks} with {axis}={degrees[axis]}: {why}; drop {axis}= or block=")
+            raise SpecError(f"block={_ranks(strategy)} with {axis}={degrees[axis]}: {why}; drop {axis}= or block=")
     if degrees["context"] > 1 and strategy.options["context_algorithm"] != "ring":
         raise SpecError(f"block with context={degrees['context']} (CSBP) moves the clean keys and values on a ring: "
                         f"use context_algorithm=ring, not {strategy.options['context_algorithm']}")
@@ -81,6 +81,19 @@ def fold(degrees: dict[str, int], num_devices: int) -> dict[str, int]:
                         + (f"on {num_devices} devices e.g. --strategy {' or '.join(fixes)}" if fixes else
                            f"no such degrees fill {num_devices} devices with the other axes as given: change them too"))
     return dict(degrees, block=p // c)
+
+
+def unfold(degrees: dict[str, int], written: dict[str, int]) -> dict[str, int]:
+    """CSBP is written with block=P counting every device that owns blocks; the mesh's block axis
+    is P / C, which is 1 where P = C."""
+    if written.get("block", 1) != 1 and degrees["context"] > 1:
+        return {"block": degrees["block"] * degrees["context"]}
+    return {}
+
+
+def _ranks(strategy) -> int:
+    """The devices that own a block diffusion model's noisy blocks: the written block=P."""
+    return strategy.written_degrees["block"]
 
 
 def _refolds(degrees: dict[str, int], num_devices: int) -> list[str]:
@@ -106,7 +119,7 @@ def _refolds(degrees: dict[str, int], num_devices: int) -> list[str]:
 def roles(strategy) -> dict[str, tuple[str, ...]]:
     """The axes the noisy blocks are split over (context inner), which also cut each row's share
     in the loss; under clean_kv=fetch the context axis the clean keys are fetched over."""
-    blocks = AXES + (("context",) if strategy.block_ranks > 1 else ())
+    blocks = AXES + (("context",) if _ranks(strategy) > 1 else ())
     fetch = ("context",) if strategy.options["clean_kv"] == "fetch" else ()
     return {BLOCKS: blocks, SHARES: blocks, FETCH: fetch}
 
@@ -114,8 +127,8 @@ def roles(strategy) -> dict[str, tuple[str, ...]]:
 def check_model(strategy, cfg, seq_len: int):
     """Refuse diffusion blocks the P devices cannot own in pairs (under CSBP 2P blocks also split
     the clean half over the C ring ranks and let clean_kv=fetch deal them, C dividing P)."""
-    if strategy.block_ranks > 1:
-        check_degree(seq_len // cfg.block_size, strategy.block_ranks)
+    if _ranks(strategy) > 1:
+        check_degree(seq_len // cfg.block_size, _ranks(strategy))
 
 
 def check_calls(layout, calls):
