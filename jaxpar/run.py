@@ -171,10 +171,8 @@ def check_model_axes(strategy: Strategy, model: str):
 def check_unused_options(run: RunConfig, strategy: Strategy):
     """Refuse options the layout would silently ignore: the user meant something by them."""
     train, defaults = run.train, TrainConfig()
-    unused = []  # (TrainConfig field, why it does nothing here and what to do)
-    if strategy.spec.degrees["stage"] == 1:
-        why = f"strategy {strategy} has no stage axis, so no pipeline runs; drop it or add stage=N to --strategy"
-        unused += [("schedule", why), ("chunks", why)]
+    # (TrainConfig field, why it does nothing here and what to do)
+    unused = [(field, why) for module in STRATEGIES for field, why in module.ignores(strategy).items()]
     if train.grad_sync == "exact":
         why = "--grad-sync exact sums gradients exactly; drop it or choose a compressed sync, e.g. --grad-sync dynamiq"
         unused += [("grad_sync_bits", why), ("grad_sync_axes", why)]

@@ -24,6 +24,8 @@ What it asks of a run, a model and a batch, checked by the trainer before anythi
 
 - ``choose_regather(kept_bytes, state_bytes, memory_bytes)``: under ``regather=auto``, whether
   to gather the layers' weights again for the backward pass, and why (None: not its choice);
+- ``ignores(strategy)``: ``{TrainConfig field: why}`` of the options that would do nothing under
+  the strategy as given (refused where set: ``run.check_unused_options``);
 - ``check_run(planned, cfg)``: refuse a ``TrainConfig`` it cannot run (an attention kernel...);
   ``planned`` is the Layout, or the Strategy before a mesh exists (both answer ``role``);
 - ``check_weights(layout, weights)``: refuse weights (``{path: (logical names, shape)}``) it
@@ -134,6 +136,10 @@ def memory(strategy, mesh) -> dict:
 
 def choose_regather(kept_bytes: float, state_bytes: float, memory_bytes: float | None) -> tuple[bool, str] | None:
     return None
+
+
+def ignores(strategy) -> dict[str, str]:
+    return {}
 
 
 def check_run(planned, cfg) -> None:

@@ -17,6 +17,13 @@ CROSSES_DCN = True
 OPTIONS: dict = {}
 
 
+def ignores(strategy) -> dict[str, str]:
+    if strategy.degrees["stage"] > 1:
+        return {}
+    why = f"strategy {strategy} has no stage axis, so no pipeline runs; drop it or add stage=N to --strategy"
+    return {"schedule": why, "chunks": why}
+
+
 def manual_only(layout, calls) -> str | None:
     return "a pipeline (stage > 1)" if dict(layout.mesh.shape).get("stage", 1) > 1 else None
 
