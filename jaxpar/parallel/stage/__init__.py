@@ -15,6 +15,11 @@ from jaxpar.parallel import data
 AXES = ("stage",)
 CROSSES_DCN = True
 OPTIONS: dict = {}
+STAGES = "pipeline_stages"  # the layout's role: the mesh axes the layers are pipelined over
+
+
+def roles(strategy) -> dict[str, tuple[str, ...]]:
+    return {STAGES: AXES}
 
 
 def ignores(strategy) -> dict[str, str]:
@@ -25,7 +30,7 @@ def ignores(strategy) -> dict[str, str]:
 
 
 def manual_only(layout, calls) -> str | None:
-    return "a pipeline (stage > 1)" if dict(layout.mesh.shape).get("stage", 1) > 1 else None
+    return "a pipeline (stage > 1)" if layout.role(STAGES) else None
 
 
 def check(strategy):
