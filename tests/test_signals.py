@@ -5,6 +5,7 @@ directory holds complete, verified checkpoints only and the metrics file is abse
 The step's shapes are this file's own, so that the persistent compilation cache the suite shares
 holds no program for them: the early moments fall in a real compile (where an exception used to
 unwind Python while XLA compiled on a thread of its own: status 139)."""
+import contextlib
 import json
 import os
 import re
@@ -37,8 +38,9 @@ def _signalled_pair(moment_s: float, root) -> list[tuple[str, object, int, str]]
         cwd.mkdir()
         env = dict(os.environ, JAXPAR_STATUS_DIR=str(cwd / "status"))  # where the run reports its steps (launch.report_progress)
         (cwd / "status").mkdir()
-        job = subprocess.Popen([sys.executable, *TRAIN], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=_as_a_terminal_starts_it)
+        with _as_a_terminal_starts_it():
+            job = subprocess.Popen([sys.executable, *TRAIN], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True)
         runs.append((name, cwd, job, time.monotonic()))
     for name, cwd, job, started in runs:
         time.sleep(max(0.0, started + moment_s - time.monotonic()))
@@ -48,14 +50,21 @@ def _signalled_pair(moment_s: float, root) -> list[tuple[str, object, int, str]]
     return [(name, cwd, _wait(job), job.stderr.read()) for name, cwd, job, _ in runs]
 
 
+@contextlib.contextmanager
 def _as_a_terminal_starts_it():
-    """In the run, before it starts: SIGINT and SIGTERM with their default dispositions, as a shell
-    starts a foreground command. A disposition is inherited, and jaxpar keeps a signal its parent
-    ignores ignored (the shell's convention for background jobs). Once, under the whole suite, a run
-    started here trained on after a SIGINT at 1 s while its twin ended on SIGTERM, the asymmetry an
-    ignored SIGINT inherited from the test process makes (not reproduced alone, 20 tries)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
+    """While a run starts: SIGINT and SIGTERM at their default dispositions, which the run inherits,
+    as a shell starts a foreground command (jaxpar keeps a signal its parent ignores ignored, the
+    shell's convention for background jobs). Once, under the whole suite, a run started here trained
+    on after a SIGINT at 1 s while its twin ended on SIGTERM, the asymmetry an ignored SIGINT
+    inherited from the test process makes (not reproduced alone, 20 tries). Set here in the test
+    process around the start, not in the child before exec: forking a JAX process to run Python in
+    the child risks a deadlock."""
+    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def _wait(job, limit_s: float = 90) -> int | str:
