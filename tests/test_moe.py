@@ -1,0 +1,86 @@
+"""The mixture-of-experts MLP on one device (models/moe.py): the grouped-matmul block equals a
+per-expert loop written here, value and gradients, an expert that receives no token included; the
+dispatch offsets alone; the load-balancing loss against its formula; a top-k the experts cannot give
+refused in words."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar.errors import JaxparError
+from jaxpar.models import moe
+
+TOKENS, EMBED, MLP, EXPERTS, TOP_K = 12, 8, 16, 4, 2
+
+
+def weights(seed=0, silent_expert=None):
+    """(x, router, gate, up, down); with ``silent_expert``, a router that never picks that expert."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(keys[0], (TOKENS, EMBED))
+    router = jax.random.normal(keys[1], (EMBED, EXPERTS))
+    if silent_expert is not None:  # its logit far below every other for every token
+        x = jnp.abs(x)
+        router = router.at[:, silent_expert].set(-100.0)
+    gate, up = (jax.random.normal(k, (EXPERTS, EMBED, MLP)) / EMBED**0.5 for k in keys[2:4])
+    down = jax.random.normal(keys[4], (EXPERTS, MLP, EMBED)) / MLP**0.5
+    return x, router, gate, up, down
+
+
+def loop_moe(x, router, gate, up, down):
+    """The oracle: token by token, its top-k experts' SwiGLU outputs summed with the renormalised
+    softmax weights."""
+    probs = jax.nn.softmax(x @ router, axis=-1)
+    out = []
+    for t in range(x.shape[0]):
+        top = jnp.argsort(-probs[t])[:TOP_K]
+        w = probs[t, top] / jnp.sum(probs[t, top])
+        y = jnp.zeros(EMBED)
+        for k, e in enumerate(top):
+            y = y + w[k] * ((jax.nn.silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
+        out.append(y)
+    return jnp.stack(out)
+
+
+@pytest.mark.parametrize("silent_expert", [None, 2])
+def test_the_block_equals_a_per_expert_loop_value_and_gradients(silent_expert):
+    args = weights(silent_expert=silent_expert)
+    if silent_expert is not None:
+        _, experts, _ = moe.route(args[0] @ args[1], TOP_K)
+        assert not (experts == silent_expert).any()  # the case the test is about: an empty group
+    got = moe.moe_mlp(*args, TOP_K)[0]
+    np.testing.assert_allclose(got, loop_moe(*args), rtol=1e-5, atol=1e-5)
+    probe = jax.random.normal(jax.random.key(9), (TOKENS, EMBED))  # a loss that weighs every output differently
+    grads = jax.grad(lambda *a: jnp.sum(moe.moe_mlp(*a, TOP_K)[0] * probe), argnums=(0, 1, 2, 3, 4))(*args)
+    want = jax.grad(lambda *a: jnp.sum(loop_moe(*a) * probe), argnums=(0, 1, 2, 3, 4))(*args)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_dispatch_groups_each_experts_copies_and_counts_an_empty_expert():
+    experts = jnp.array([[3, 0], [0, 3], [1, 3]])  # token copies 0..5; expert 2 gets none
+    order, sizes = moe.dispatch(experts, 4)
+    assert sizes.tolist() == [2, 1, 0, 3]
+    assert order.tolist() == [1, 2, 4, 0, 3, 5]  # expert 0: copies 1, 2; expert 1: copy 4; expert 3: copies 0, 3, 5
+    outputs = jnp.arange(6.0)[:, None] * jnp.ones((6, 2))  # sorted copy j carries j
+    combined = moe.combine(outputs, order, jnp.array([[1.0, 10.0], [1.0, 10.0], [1.0, 10.0]]))
+    # token 0: copy 0 (sorted 3) + 10 x copy 1 (sorted 0); token 1: copy 2 (sorted 1) + 10 x copy 3 (sorted 4); ...
+    assert combined[:, 0].tolist() == [3.0 + 10 * 0.0, 1.0 + 10 * 4.0, 2.0 + 10 * 5.0]
+
+
+def test_load_balancing_loss_equals_its_formula():
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(EXPERTS), size=TOKENS)
+    experts = np.argsort(-probs, axis=1)[:, :TOP_K]
+    f = np.array([(experts == e).sum() for e in range(EXPERTS)]) / experts.size
+    want = EXPERTS * np.sum(f * probs.mean(axis=0))
+    np.testing.assert_allclose(moe.load_balancing_loss(jnp.asarray(probs), jnp.asarray(experts), EXPERTS), want, rtol=1e-6)
+    uniform = np.full((EXPERTS, EXPERTS), 1 / EXPERTS)  # every expert equally likely and equally loaded: 1
+    np.testing.assert_allclose(moe.load_balancing_loss(jnp.asarray(uniform), jnp.arange(EXPERTS)[:, None], EXPERTS), 1.0)
+    onehot = np.eye(EXPERTS)[np.zeros(TOKENS, int)]  # every token on expert 0 with probability 1: E
+    np.testing.assert_allclose(moe.load_balancing_loss(jnp.asarray(onehot), jnp.zeros((TOKENS, 1), int), EXPERTS), EXPERTS)
+
+
+def test_a_top_k_above_the_experts_is_refused_in_words():
+    with pytest.raises(JaxparError, match=r"top_k=5 must be between 1 and the number of experts \(4\)"):
+        moe.route(jnp.zeros((3, 4)), 5)
