@@ -299,7 +299,7 @@ def _generate(args) -> int:
     given = [flag for flag in wrong if getattr(args, flag[2:].replace("-", "_")) is not None]
     if given:
         raise JaxparError(f"{given[0]} is for {'block diffusion models' if family == 'llama' else 'a Llama'}; the checkpoint holds "
-                          f"a {common.FAMILIES[family]}")
+                          f"a {common.family_words(family)}")
     if family == "llama" and args.prompt is None and not args.prompts_file:
         raise JaxparError("give --prompt TEXT or --prompts-file PATH: a Llama continues text (it has no start token)")
     if not args.strategy and topology.num_chips > 1:  # else the weights would sit on one of them, without a word

@@ -84,8 +84,8 @@ def count_option(valid: Callable[[int], bool], fix: str) -> Callable:
     return parse
 
 
-ON_OFF = {**dict.fromkeys(("on", "1", "true", "yes"), True), **dict.fromkeys(("off", "0", "false", "no"), False)}
-flag = option_of(ON_OFF, "use on or off")  # an on/off option (``sp=on``)
+SWITCH_WORDS = {**dict.fromkeys(("on", "1", "true", "yes"), True), **dict.fromkeys(("off", "0", "false", "no"), False)}
+switch = option_of(SWITCH_WORDS, "use on or off")  # an on/off option (``sp=on``)
 
 # --- the hooks and their defaults --------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ of weight traffic but holds the whole stack's weights on every chip at once.
 """
 
 from jaxpar.errors import SpecError, size_text
-from jaxpar.parallel.base import ON_OFF, count_option, option_of
+from jaxpar.parallel.base import SWITCH_WORDS, count_option, option_of
 
 AXES = ("fsdp",)
 ID_BYTES = 4  # token ids are int32
@@ -41,7 +41,7 @@ OPTIONS = {
     "zero": (count_option(lambda n: n in STAGES, "not a ZeRO stage; use zero=1 (optimizer state), 2 (+gradients) or "
                                                  "3 (+weights, FSDP)"), 3),
     # on / off, or auto (None): the plan chooses by memory (``choose_regather``)
-    "regather": (option_of({**ON_OFF, "auto": None}, "use auto (chosen by memory), on or off"), None),
+    "regather": (option_of({**SWITCH_WORDS, "auto": None}, "use auto (chosen by memory), on or off"), None),
 }
 
 # regather=auto keeps a stack's gathered weights only where they are cheap in memory: at most this

@@ -9,14 +9,14 @@ gradients summed over ``tensor``. (Its traffic is in ``tensor.traffic``.)
 """
 
 from jaxpar.errors import SpecError
-from jaxpar.parallel.base import flag
+from jaxpar.parallel.base import switch
 
 AXES: tuple[str, ...] = ()  # it splits over tensor's axis
 CROSSES_DCN = False
 LOGICAL_AXIS = "residual_length"
 
 
-OPTIONS = {"sp": (flag, False)}
+OPTIONS = {"sp": (switch, False)}
 
 
 def check(strategy):

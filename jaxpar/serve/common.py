@@ -26,7 +26,6 @@ from jaxpar.train import checkpoint as checkpoint_lib
 from jaxpar.train.state import abstract_model
 
 BYTE_VOCAB = 256  # the main job's tokens are UTF-8 bytes (train/data.py)
-FAMILIES = {name: family.words for name, family in models.FAMILIES.items()}  # model families in words
 # the families serving has a decoder for (serve/llama.py, serve/bd3lm.py), and whether it runs
 # many positions in one step (a BD3-LM denoises a block of them), which a layout may split over
 # context or block devices; a Llama decodes one token a step
@@ -36,9 +35,13 @@ SPLITS_LENGTH = {"llama": False, "bd3lm": True}
 def check_decoder(family: str, model: str) -> None:
     """Refuse, in words, a model of a family serving has no decoder for."""
     if family not in SPLITS_LENGTH:
-        words = {name: f.words for name, f in models.FAMILIES.items()}
-        raise JaxparError(f"model {model} is a {words[family]}, which jaxpar generate has no decoder for (it has one for "
-                          f"{', '.join(words[f] + 's' for f in SPLITS_LENGTH)}); evaluate it with jaxpar check instead")
+        raise JaxparError(f"model {model} is a {family_words(family)}, which jaxpar generate has no decoder for (it has one "
+                          f"for {', '.join(family_words(f) + 's' for f in SPLITS_LENGTH)}); evaluate it with jaxpar check instead")
+
+
+def family_words(name: str) -> str:
+    """What messages call one model of the registered family ``name`` ("Llama")."""
+    return models.FAMILIES[name].words
 
 
 def is_int(x) -> bool:
@@ -102,7 +105,7 @@ class Served:
     placing them."""
 
     DONATES: dict = {}  # program name -> the arguments it consumes (a cache it returns updated)
-    family = ""  # a key of FAMILIES (a subclass's)
+    family = ""  # a key of models.FAMILIES (a subclass's)
 
     def __init__(self, model, layout: Layout | None, vocab, model_vocab: int, vocab_name: str):
         self.vocab = model_vocab if vocab is None else vocab
@@ -180,7 +183,7 @@ def check_layout(layout: Layout | None, state, family: str) -> None:
     if not idle:
         return
     axis, n = idle[0]
-    why = (f"a {FAMILIES[family]} decodes one token a step, which cannot be split over devices" if axis in layout.axes_of("length")
+    why = (f"a {family_words(family)} decodes one token a step, which cannot be split over devices" if axis in layout.axes_of("length")
            else f"it splits no weight of the model and not the rows, so its {n} devices would each compute the same")
     raise JaxparError(f"{axis}={n} cannot serve: {why}; use tensor (the weights) or data (the rows) instead")
 
@@ -275,8 +278,8 @@ def _restore_step(ckpt, checkpoint_dir: str, step: int, family: str, layout: Lay
     meta = ckpt.read_meta(step)
     cfg = model_config(meta["model"])
     if family_of(cfg).name != family:
-        raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} holds {meta['model']!r}, a {FAMILIES[family_of(cfg).name]}; "
-                          f"this generates from {FAMILIES[family]}s")
+        raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} holds {meta['model']!r}, a {family_of(cfg).words}; "
+                          f"this generates from {family_words(family)}s")
     if check_meta is not None:
         check_meta(meta, cfg)
     graphdef, abstract = abstract_model(model_and_loss(cfg)[0])

@@ -10,11 +10,11 @@ ways at once, half of each chunk each way (``jaxpar.nn.enter_block(..., then=)``
 """
 
 from jaxpar.errors import SpecError
-from jaxpar.parallel.base import flag
+from jaxpar.parallel.base import switch
 
 AXES: tuple[str, ...] = ()  # it runs over tensor's axis
 CROSSES_DCN = False
-OPTIONS = {"tp_overlap": (flag, False)}
+OPTIONS = {"tp_overlap": (switch, False)}
 # the layout's role (``Layout.role``): the mesh axes whose block-entry all-gathers and exit
 # reduce-scatters run as rings of ppermutes under the block's matmuls (``jaxpar.nn.enter_block``'s ``then``)
 OVERLAPPED = "overlapped"
