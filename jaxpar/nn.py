@@ -14,7 +14,9 @@ path instead (``train/gspmd.py``), where XLA places the collectives.
   delayed tensor parallelism (``delay=1``, ``parallel/delayed/``) reads each sublayer's sum one
   sublayer late;
 - ``block_share(batch, block_size)``: a block diffusion loss's share of a batch under block
-  parallelism (its runtime: ``parallel/block/blocks.py``).
+  parallelism (its runtime: ``parallel/block/blocks.py``);
+- ``mixture_of_experts(x, names, ...)``: a routed mixture-of-experts MLP (``jaxpar.experts``),
+  its tokens exchanged over the expert axis under expert parallelism (``parallel/expert/``).
 
 The runtimes of the strategies these calls drive (collective matmul's rings, block sharing) live
 in their strategies' folders under ``parallel/``.
@@ -31,8 +33,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxpar import experts, parallel
 from jaxpar.errors import LayoutError
 from jaxpar.parallel.block import blocks
+from jaxpar.parallel.expert import exchange
 from jaxpar.parallel.overlap import OVERLAPPED, collective_matmul
 from jaxpar.parallel.delayed import residual
 from jaxpar.parallel.tensor import DELAYED
@@ -281,3 +285,73 @@ def cross_entropy(logits, targets, names: Names = ("batch", "length", "vocab"), 
     picked = sum_over(shifted * hit, names, [vocab_dim])
     losses = log_total - picked
     return jnp.mean(losses if weights is None else losses * weights)
+
+
+# --- mixture of experts ------------------------------------------------------------------------
+
+
+def mixture_of_experts(x, names: Names, router, w_gate, w_up, w_down, routing: experts.Routing, bias=None):
+    """(output, load-balancing loss) of a routed mixture of experts on tokens ``x`` (rows, length,
+    embed) laid out as ``names`` (``jaxpar.experts``): ``router`` (embed, experts), the experts'
+    stacked SwiGLU weights ``w_gate``, ``w_up`` (experts, embed, mlp) and ``w_down`` (experts, mlp,
+    embed), ``bias`` (experts,) added to the scores for the choice only.
+
+    The output holds partial sums over the layout's axes of ``mlp`` (expert-tensor parallelism), as
+    a dense MLP's down projection does: finish it with ``residual_add(..., ("mlp",), ...)``. The loss
+    is the whole batch's, the same on every device."""
+    _check_rank(x, names)
+    layout = manual_layout("mixture_of_experts")
+    if layout is None:
+        out, sums = experts.mixture(x, router, w_gate, w_up, w_down, routing, bias)
+        return out, experts.balance_loss(sums, routing.top_k)
+    rows, length, width = x.shape
+    weights, chosen, probs = experts.route(jnp.einsum("rle,ex->rlx", x, router), routing, bias)
+    sums = _whole_batch(experts.balance_sums(chosen, probs, routing.experts), names, probs, layout)
+    whole = length * shard_count(names, 1)
+    kept = experts.keep_within_capacity(chosen, _ranks_in_row(chosen, names, routing, layout), routing, whole)
+    flat, tokens = x.reshape(rows * length, width), rows * length
+    axes = layout.axes_of("experts")
+    if not axes:  # every expert on this device
+        order, group_sizes = experts.dispatch(kept, routing.experts)
+        outputs = experts.experts_mlp(jnp.take(flat, order // routing.top_k, axis=0), group_sizes, w_gate, w_up, w_down)
+        out = experts.combine(outputs, order, weights.reshape(tokens, -1))
+    else:
+        slot = exchange.slot_rows(tokens, routing.top_k, w_gate.shape[0], rows, routing.capacity(whole))
+        out = exchange.mixture(flat, kept.reshape(tokens, -1), weights.reshape(tokens, -1), w_gate, w_up, w_down,
+                               routing.experts, axes, exchange.runs_ragged(layout), slot)
+    return out.reshape(x.shape), experts.balance_loss(sums, routing.top_k)
+
+
+def _whole_batch(sums: experts.BalanceSums, names: Names, probs, layout: Layout) -> experts.BalanceSums:
+    """The whole batch's balance sums from this device's: added up over the axes the tokens are
+    split over and, in the same all-reduce, averaged over the axes that hold copies of the same
+    tokens (tensor parallelism): the loss is then one value on every device, and each copy's
+    gradient a share that the block entry's backward all-reduce adds back up."""
+    token_axes = layout.axes_of(names[0]) + layout.axes_of(names[1])
+    repeats = tuple(sorted(varying_axes(probs) - set(token_axes)))
+    axes = token_axes + repeats
+    if not axes:
+        return sums
+    share = math.prod(layout.mesh.shape[a] for a in repeats)
+    return experts.BalanceSums(*(jax.lax.psum(s.astype(jnp.float32) / share, axes) for s in sums))
+
+
+def _ranks_in_row(chosen, names: Names, routing: experts.Routing, layout: Layout):
+    """``experts.ranks_in_row`` of this device's copies ``chosen`` (rows, length, top_k) among their
+    whole rows' (None where dropless): where the layout splits the sequence, every device of the
+    split adds its copies at their places in the row first (rows x length x experts int32)."""
+    if routing.capacity_factor is None:
+        return None
+    length_axes = layout.axes_of(names[1])
+    if not length_axes:
+        return experts.ranks_in_row(chosen, routing.experts)
+    rows, length, _ = chosen.shape
+    whole = length * shard_count(names, 1)
+    places = parallel.token_places(layout, whole)
+    if places is None:
+        raise LayoutError(f"a capacity factor drops copies by their place in the row, and this layout splits the rows "
+                          f"over {', '.join(length_axes)} in a way that gives no places; route dropless (no capacity factor)")
+    hits = jnp.sum(jax.nn.one_hot(chosen, routing.experts, dtype=jnp.int32), axis=2)
+    row = jax.lax.psum(jnp.zeros((rows, whole, routing.experts), jnp.int32).at[:, places].set(hits), length_axes)
+    before = jnp.take(jnp.cumsum(row, axis=1) - row, places, axis=1)
+    return jnp.take_along_axis(before, chosen, axis=2)

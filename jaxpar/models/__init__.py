@@ -7,7 +7,7 @@ shapes (sizes, FLOPs, memory) takes either."""
 from __future__ import annotations
 
 from jaxpar.errors import JaxparError
-from jaxpar.models import bd3lm, llama
+from jaxpar.models import bd3lm, llama, moe
 from jaxpar.models.family import Family
 
 FAMILIES: dict[str, Family] = {}
@@ -28,13 +28,13 @@ def unregister(name: str) -> None:
         del CONFIGS[config]
 
 
-for _family in (llama.FAMILY, bd3lm.FAMILY):  # a new family: its file, and its FAMILY here
+for _family in (llama.FAMILY, bd3lm.FAMILY, moe.FAMILY):  # a new family: its file, and its FAMILY here
     register(_family)
 
 
 def model_config(name: str):
     """The config of the model called ``name`` (``tiny``, ``llama2-7b``, ``llama3-8b``,
-    ``bd3lm-tiny``...); an unknown name is refused with the known ones."""
+    ``bd3lm-tiny``, ``moe-tiny``...); an unknown name is refused with the known ones."""
     if name not in CONFIGS:
         raise JaxparError(f"unknown model {name!r}; choose one of {', '.join(CONFIGS)}")
     return CONFIGS[name]

@@ -66,29 +66,39 @@ def _param(rngs, shape, names, init):
     return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape), eager_sharding=False)
 
 
+def fan_in(width):
+    return nnx.initializers.normal(width**-0.5)
+
+
 class LayerStack(nnx.Module):
     """The weights of all transformer layers, stacked on a leading ``layers`` dim."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-        n, e, h, k, d, m = cfg.layers, cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp
+        n, e, h, k, d = cfg.layers, cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
         ones = nnx.initializers.ones
-        fan_in = lambda width: nnx.initializers.normal(width**-0.5)  # noqa: E731
         self.attn_norm = _param(rngs, (n, e), ("layers", "embed"), ones)
         self.wq = _param(rngs, (n, e, h, d), ("layers", "embed", "heads", "head_dim"), fan_in(e))
         self.wk = _param(rngs, (n, e, k, d), ("layers", "embed", "kv_heads", "head_dim"), fan_in(e))
         self.wv = _param(rngs, (n, e, k, d), ("layers", "embed", "kv_heads", "head_dim"), fan_in(e))
         self.wo = _param(rngs, (n, h, d, e), ("layers", "heads", "head_dim", "embed"), fan_in(h * d * 2 * n))
         self.mlp_norm = _param(rngs, (n, e), ("layers", "embed"), ones)
+        self.mlp_weights(cfg, rngs)
+
+    def mlp_weights(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        """The MLP sublayer's weights (the mixture-of-experts family's are its experts')."""
+        n, e, m = cfg.layers, cfg.embed, cfg.mlp
         self.w_gate = _param(rngs, (n, e, m), ("layers", "embed", "mlp"), fan_in(e))
         self.w_up = _param(rngs, (n, e, m), ("layers", "embed", "mlp"), fan_in(e))
         self.w_down = _param(rngs, (n, m, e), ("layers", "mlp", "embed"), fan_in(m * 2 * n))
 
 
 class Llama(nnx.Module):
+    stack = LayerStack  # the layers' weights (a family on the Llama's layers may have its own)
+
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = _param(rngs, (cfg.vocab_size, cfg.embed), ("vocab", "embed"), nnx.initializers.normal(1.0))
-        self.layers = LayerStack(cfg, rngs=rngs)
+        self.layers = self.stack(cfg, rngs=rngs)
         self.final_norm = _param(rngs, (cfg.embed,), ("embed",), nnx.initializers.ones)
         if not cfg.tie_embeddings:
             self.unembedding = _param(
@@ -102,16 +112,25 @@ class Llama(nnx.Module):
 
         Weights arrive as the layout computes them: jaxpar's step gathers the top-level ones before
         the call and each layer's slice of the stacked ones when the scan reads it."""
+        return self.call_and_extras(tokens, positions, segments)[0]
+
+    def call_and_extras(self, tokens, positions=None, segments=None):
+        """(logits as ``__call__`` gives them, the layers' extras as ``network_and_extras``)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        return self.network(tokens, positions, CAUSAL if segments is None else CAUSAL.with_segments(segments))
+        return self.network_and_extras(tokens, positions, CAUSAL if segments is None else CAUSAL.with_segments(segments))
 
     def network(self, tokens, positions, mask):
         """Logits of the network under any attention ``mask`` (models on the Llama's weights
         choose their own: the block diffusion model's three-part mask)."""
+        return self.network_and_extras(tokens, positions, mask)[0]
+
+    def network_and_extras(self, tokens, positions, mask):
+        """(logits, what each layer's MLP sublayer yields beside its output, stacked over the
+        layers: None for the Llama's, the load-balancing losses of a mixture of experts)."""
         x = embed_lookup(self.embedding, tokens, RESIDUAL)
-        x = _layers(x, nnx.state(self.layers), self.cfg, positions, mask)
-        return _logits(x, self._head(), self.cfg)
+        x, extras = _layers(x, nnx.state(self.layers), self.cfg, positions, mask, self.mlp)
+        return _logits(x, self._head(), self.cfg), extras
 
     def network_cached(self, tokens, positions, cache, cache_valid):
         """The network for serving with a KV cache: (logits (batch, n, vocab), (keys, values)) of
@@ -125,7 +144,7 @@ class Llama(nnx.Module):
         x = embed_lookup(self.embedding, tokens, RESIDUAL)
         own = jnp.ones(tokens.shape, bool)
         mask = BIDIRECTIONAL.with_segments(own, jnp.concatenate([cache_valid, own], axis=1))  # invalid slots: segment False
-        x, new_kv = _layers_cached(x, nnx.state(self.layers), self.cfg, positions, mask, cache)
+        x, new_kv = _layers_cached(x, nnx.state(self.layers), self.cfg, positions, mask, self.mlp, cache)
         return _logits(x, self._head(), self.cfg), new_kv
 
     def network_prefill(self, tokens, positions, segments):
@@ -134,8 +153,12 @@ class Llama(nnx.Module):
         ``tokens`` (batch, n) at ``positions``, causal, each token attending only to tokens of its
         own ``segments`` id (batch, n) (a left-padded batch gives its padding an id of its own)."""
         x = embed_lookup(self.embedding, tokens, RESIDUAL)
-        x, kv = _layers_cached(x, nnx.state(self.layers), self.cfg, positions, CAUSAL.with_segments(segments))
+        x, kv = _layers_cached(x, nnx.state(self.layers), self.cfg, positions, CAUSAL.with_segments(segments), self.mlp)
         return _logits(x, self._head(), self.cfg), kv
+
+    def mlp(self, x, pending, w, cfg):
+        """The layers' MLP sublayer: ``_mlp`` (a family on the Llama's layers may have its own)."""
+        return _mlp(x, pending, w, cfg)
 
     def _head(self):
         # the embedding is read only where it is the output layer too: inside jaxpar's step a read
@@ -159,7 +182,7 @@ def loss_fn(model: Llama, batch):
     return cross_entropy(logits, batch["targets"], LOGITS, batch.get("weights"))
 
 
-def pipeline_pieces(cfg: LlamaConfig):
+def pipeline_pieces(cfg: LlamaConfig, mlp=None):
     """The Llama as the three pieces a pipeline runs on token batches (b, length + 1), for
     ``jaxpar.parallel.stage.pipeline.split_by_layer_stack``: ``first(edge, tokens)`` embeds,
     ``stage(layers, x)`` runs a chunk of the stacked layers (an nnx.State), ``last(edge, x,
@@ -170,7 +193,7 @@ def pipeline_pieces(cfg: LlamaConfig):
         return embed_lookup(edge["embedding"], tokens[:, :-1], RESIDUAL)
 
     def stage(layers, x):
-        return _layers(x, layers, cfg, jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]), CAUSAL)
+        return _layers(x, layers, cfg, jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]), CAUSAL, mlp or _mlp)[0]
 
     def last(edge, x, tokens):
         return cross_entropy(_logits(x, edge, cfg), tokens[:, 1:], LOGITS)
@@ -178,26 +201,29 @@ def pipeline_pieces(cfg: LlamaConfig):
     return first, stage, last
 
 
-def _layers(x, layers, cfg, positions, mask):
-    """The scanned transformer layers over the residual stream; ``layers``: the stacked weights.
-    (jaxpar's step gathers each layer's weights when the body reads them, and checkpoints the
-    body by the run's remat policy: ``jaxpar.train.remat``.) The scan carries the stream and the
-    partial sum delayed tensor parallelism has not added yet (None otherwise)."""
+def _layers(x, layers, cfg, positions, mask, mlp):
+    """(the residual stream after the scanned transformer layers, what ``mlp`` yields beside its
+    output, stacked over the layers); ``layers``: the stacked weights. (jaxpar's step gathers each
+    layer's weights when the body reads them, and checkpoints the body by the run's remat policy:
+    ``jaxpar.train.remat``.) The scan carries the stream and the partial sum delayed tensor
+    parallelism has not added yet (None otherwise)."""
     def layer(carry, stacked_slice):
         w = {name: var[...] for name, var in stacked_slice.items()}
-        return _block(*carry, w, cfg, positions, mask)[0], None
+        carry, _, extra = _block(*carry, w, cfg, positions, mask, mlp)
+        return carry, extra
 
-    return finish_delayed(*jax.lax.scan(layer, start_delayed(x, RESIDUAL), layers)[0])
+    carry, extras = jax.lax.scan(layer, start_delayed(x, RESIDUAL), layers)
+    return finish_delayed(*carry), extras
 
 
-def _layers_cached(x, layers, cfg, positions, mask, cache=None):
+def _layers_cached(x, layers, cfg, positions, mask, mlp, cache=None):
     """``_layers`` for serving: each layer also yields its own (keys, values), and with ``cache``
     reads its slice of the cached ones before them (``mask`` over [cached ; own])."""
 
     def layer(carry, inputs):
         stacked_slice, past = inputs if cache is not None else (inputs, None)
         w = {name: var[...] for name, var in stacked_slice.items()}
-        return _block(*carry, w, cfg, positions, mask, past)
+        return _block(*carry, w, cfg, positions, mask, mlp, past)[:2]
 
     carry, kv = jax.lax.scan(layer, start_delayed(x, RESIDUAL), layers if cache is None else (layers, cache))
     return finish_delayed(*carry), kv
@@ -248,19 +274,26 @@ def _attention(q, k, v, cfg, positions, mask, past=None):
     return constrain(attention(q, k, v, mask), ("batch", "length", "heads", "head_dim")), own
 
 
-def _block(x, pending, w, cfg, positions, mask, past=None):
-    """((the layer's output, the partial sum it leaves pending), its (keys, values)); ``pending``:
-    what the previous layer left (``jaxpar.nn.residual_add``); ``past`` as ``_attention`` takes it.
-    Each block's first matmuls are ``enter_block``'s ``then`` and its last ``residual_add``'s
-    ``project``, so that collective matmul can cut them by position."""
+def _block(x, pending, w, cfg, positions, mask, mlp, past=None):
+    """((the layer's output, the partial sum it leaves pending), its (keys, values), what ``mlp``
+    yields beside its output); ``pending``: what the previous layer left (``jaxpar.nn.residual_add``);
+    ``past`` as ``_attention`` takes it. The attention block's first matmuls are ``enter_block``'s
+    ``then`` and its last ``residual_add``'s ``project``, so that collective matmul can cut them by
+    position."""
     qkv = enter_block(_rms_norm(x, w["attn_norm"], cfg.norm_eps), RESIDUAL, BLOCK, then=lambda h: _projections(h, w, cfg))
     attended, kv = _attention(*qkv, cfg, positions, mask, past)
     x, pending = residual_add(x, attended, ("heads", "head_dim"), RESIDUAL, pending,
                               project=lambda out: jnp.einsum("blhd,hde->ble", out, w["wo"]))
+    carry, extra = mlp(x, pending, w, cfg)
+    return carry, kv, extra
+
+
+def _mlp(x, pending, w, cfg):
+    """((the stream after the SwiGLU sublayer, the partial sum it leaves pending), None)."""
     act = enter_block(_rms_norm(x, w["mlp_norm"], cfg.norm_eps), RESIDUAL, BLOCK,
                       then=lambda h: jax.nn.silu(jnp.einsum("ble,em->blm", h, w["w_gate"])) * jnp.einsum("ble,em->blm", h, w["w_up"]))
     act = constrain(act, ("batch", "length", "mlp"))
-    return residual_add(x, act, ("mlp",), RESIDUAL, pending, project=lambda a: jnp.einsum("blm,me->ble", a, w["w_down"])), kv
+    return residual_add(x, act, ("mlp",), RESIDUAL, pending, project=lambda a: jnp.einsum("blm,me->ble", a, w["w_down"])), None
 
 
 FAMILY = Family(name="llama", words="Llama", config_type=LlamaConfig, configs=CONFIGS,

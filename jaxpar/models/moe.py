@@ -1,81 +1,136 @@
-"""A routed mixture-of-experts MLP on one device: the block the MoE model family is built from.
+"""A mixture-of-experts language model: the Llama of ``llama.py`` with a routed mixture of experts
+as every layer's MLP (Mixtral, DeepSeek-V3's shape).
 
-Each token's router logits pick its ``top_k`` experts (softmax over all experts, the chosen
-probabilities renormalised to sum to 1). The token copies are sorted by expert (``dispatch``), so
-each expert's tokens are one contiguous group, and every expert's SwiGLU runs as one grouped matmul
-over the groups (``jax.lax.ragged_dot``: no padding, no token dropped, an expert that receives no
-token costs nothing). The outputs are put back in token order and summed with the routing weights
-(``combine``). ``load_balancing_loss`` is the auxiliary loss that keeps the experts' loads even:
-``E * sum_e f_e P_e``, with ``f_e`` the fraction of token copies routed to expert e and ``P_e`` the
-mean router probability of e.
+Each layer's router sends every token to ``top_k`` of ``experts`` SwiGLU experts of hidden width
+``mlp`` (``jaxpar.experts``: softmax or sigmoid scores, optionally group-limited, dropless or with
+a capacity factor), plus ``shared_experts`` SwiGLUs of the same width that every token goes
+through (one SwiGLU of ``shared_experts x mlp``). The loss is the next-token cross-entropy plus
+``balance_weight`` x the mean over the layers of each layer's load-balancing loss.
 
-The expert weights are stacked on a leading ``experts`` dim: gate and up (experts, embed, mlp),
-down (experts, mlp, embed); the router (embed, experts).
+Weights and their logical names: the router (layers, embed, experts: replicated, every device
+routes its own tokens to every expert), the experts' gate and up (layers, experts, embed, mlp) and
+down (layers, experts, mlp, embed), the shared experts' as the Llama's MLP. Under expert
+parallelism ``experts`` is split over the ``expert`` axis (``jaxpar/parallel/expert/``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jaxpar.errors import JaxparError
+from jaxpar.experts import Routing
+from jaxpar.models import llama
+from jaxpar.models.family import Family
+from jaxpar.models.llama import BLOCK, RESIDUAL, LlamaConfig, _param, fan_in
+from jaxpar.nn import constrain, cross_entropy, enter_block, mixture_of_experts, residual_add
 
-
-def check_routing(num_experts: int, top_k: int) -> None:
-    """Refuse a top-k the experts cannot give, before any work."""
-    if not 1 <= top_k <= num_experts:
-        raise JaxparError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts}): each token is "
-                          f"sent to top_k distinct experts; use e.g. top_k={min(2, num_experts)}")
-
-
-def route(logits, top_k: int):
-    """(weights, experts, probabilities) of (tokens, experts) router ``logits``: each token's
-    ``top_k`` experts (tokens, top_k), their softmax probabilities renormalised to sum to 1, and
-    every expert's probability (tokens, experts) for the auxiliary loss."""
-    check_routing(logits.shape[-1], top_k)
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top, experts = jax.lax.top_k(probs, top_k)
-    return top / jnp.sum(top, axis=-1, keepdims=True), experts, probs
+EXPERTS = ("layers", "experts", "embed", "mlp")  # the experts' gate and up; down: (layers, experts, mlp, embed)
+ROUTER = ("layers", "embed", None)  # every device reads the whole router: it routes its tokens to every expert
 
 
-def dispatch(experts, num_experts: int):
-    """(order, group_sizes) of the token copies (tokens, top_k) ``experts`` picks: ``order`` lists the
-    flat copies (token * top_k + slot) sorted by expert, stable, so each expert's copies are one
-    contiguous group; ``group_sizes[e]`` counts expert e's (0 for an expert no token picked)."""
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    return order, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(LlamaConfig):
+    """A Llama's shapes with a mixture of experts as the MLP: ``mlp`` is each expert's hidden width."""
+
+    experts: int = dataclasses.field(kw_only=True)
+    top_k: int = dataclasses.field(kw_only=True)
+    shared_experts: int = dataclasses.field(default=0, kw_only=True)
+    score: str = dataclasses.field(default="softmax", kw_only=True)  # the router's: softmax or sigmoid
+    groups: int = dataclasses.field(default=1, kw_only=True)  # group-limited routing (1: off)
+    top_groups: int = dataclasses.field(default=1, kw_only=True)
+    capacity_factor: float | None = dataclasses.field(default=None, kw_only=True)  # None: dropless
+    balance_weight: float = dataclasses.field(default=0.01, kw_only=True)  # of the load-balancing loss
+
+    def __post_init__(self):
+        self.routing  # refuses a routing that cannot work, when the config is made
+
+    @property
+    def routing(self) -> Routing:
+        return Routing(self.experts, self.top_k, self.score, self.groups, self.top_groups, self.capacity_factor)
+
+    def without_mlp(self) -> LlamaConfig:
+        """A Llama of these shapes with no MLP: attention, norms and embeddings."""
+        return LlamaConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LlamaConfig)} | {"mlp": 0})
+
+    def num_params(self) -> int:
+        e, m = self.embed, self.mlp
+        per_layer = e * self.experts + 3 * e * m * (self.experts + self.shared_experts)
+        return self.without_mlp().num_params() + self.layers * per_layer
+
+    def active_params(self) -> int:
+        """Weights one token's forward pass reads: its top_k experts and the shared ones, not the rest."""
+        idle = self.layers * 3 * self.embed * self.mlp * (self.experts - self.top_k)
+        return self.num_params() - idle
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: the active weights' matmuls (6 each) and attention's scores."""
+        active_mlp = self.layers * (self.embed * self.experts + 3 * self.embed * self.mlp * (self.top_k + self.shared_experts))
+        return self.without_mlp().flops_per_token(seq_len) + 6 * active_mlp
 
 
-def combine(outputs, order, weights):
-    """The tokens' outputs (tokens, embed) from the expert ``outputs`` of the sorted copies: each
-    copy put back in token order and the top_k copies of a token summed with its routing ``weights``."""
-    tokens, top_k = weights.shape
-    unsorted = jnp.zeros_like(outputs).at[order].set(outputs)
-    return jnp.einsum("tkd,tk->td", unsorted.reshape(tokens, top_k, -1), weights.astype(outputs.dtype))
+CONFIGS = {
+    "moe-tiny": MoEConfig(vocab_size=256, embed=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=64, experts=8, top_k=2),
+    "mixtral-8x7b": MoEConfig(vocab_size=32_000, embed=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14_336,
+                              rope_theta=1_000_000.0, experts=8, top_k=2, balance_weight=0.02),
+    # DeepSeek-V3's widths, experts and routing (256 routed + 1 shared, 8 per token from 4 of 8
+    # groups, sigmoid scores), on grouped-query attention instead of its latent attention, every
+    # layer a mixture (it keeps the first three dense)
+    "deepseek-v3-like": MoEConfig(vocab_size=129_280, embed=7168, layers=61, heads=128, kv_heads=16, head_dim=128, mlp=2048,
+                                  experts=256, top_k=8, shared_experts=1, score="sigmoid", groups=8, top_groups=4,
+                                  balance_weight=0.0001),
+}
 
 
-def experts_mlp(x, order, group_sizes, w_gate, w_up, w_down, top_k: int):
-    """Every expert's SwiGLU on its group of the copies of tokens ``x`` (tokens, embed), sorted by
-    ``order``: three grouped matmuls (``jax.lax.ragged_dot``)."""
-    copies = jnp.take(x, order // top_k, axis=0)  # copy j of the sorted list is token order[j] // top_k
-    hidden = jax.nn.silu(jax.lax.ragged_dot(copies, w_gate, group_sizes)) * jax.lax.ragged_dot(copies, w_up, group_sizes)
-    return jax.lax.ragged_dot(hidden, w_down, group_sizes)
+class MoELayerStack(llama.LayerStack):
+    def mlp_weights(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        n, x, e, m = cfg.layers, cfg.experts, cfg.embed, cfg.mlp
+        self.router = _param(rngs, (n, e, x), ROUTER, fan_in(e))
+        self.w_gate = _param(rngs, (n, x, e, m), EXPERTS, fan_in(e))
+        self.w_up = _param(rngs, (n, x, e, m), EXPERTS, fan_in(e))
+        self.w_down = _param(rngs, (n, x, m, e), ("layers", "experts", "mlp", "embed"), fan_in(m * 2 * n))
+        if cfg.shared_experts:
+            s = m * cfg.shared_experts
+            self.shared_gate = _param(rngs, (n, e, s), ("layers", "embed", "mlp"), fan_in(e))
+            self.shared_up = _param(rngs, (n, e, s), ("layers", "embed", "mlp"), fan_in(e))
+            self.shared_down = _param(rngs, (n, s, e), ("layers", "mlp", "embed"), fan_in(s * 2 * n))
 
 
-def load_balancing_loss(probs, experts, num_experts: int):
-    """``E * sum_e f_e P_e``: ``f_e`` the fraction of the token copies routed to expert e, ``P_e`` the
-    mean router probability of e over the tokens; 1 when both are uniform, E when every token
-    goes to one expert with probability 1."""
-    fraction = jnp.bincount(experts.reshape(-1), length=num_experts) / experts.size
-    return num_experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
+class MoE(llama.Llama):
+    stack = MoELayerStack
+
+    def mlp(self, x, pending, w, cfg):
+        return mixture_sublayer(x, pending, w, cfg)
 
 
-def moe_mlp(x, router, w_gate, w_up, w_down, top_k: int):
-    """(the mixture's output, its load-balancing loss) for tokens ``x`` (tokens, embed): dropless,
-    every token through its ``top_k`` experts."""
-    num_experts = router.shape[-1]
-    weights, experts, probs = route(x @ router, top_k)
-    order, group_sizes = dispatch(experts, num_experts)
-    outputs = experts_mlp(x, order, group_sizes, w_gate, w_up, w_down, top_k)
-    return combine(outputs, order, weights), load_balancing_loss(probs, experts, num_experts)
+def mixture_sublayer(x, pending, w, cfg: MoEConfig):
+    """((the stream after the mixture-of-experts sublayer, the partial sum it leaves pending),
+    its load-balancing loss): the routed experts' output and the shared experts', partial sums
+    over ``mlp``'s axes, finished by the residual add."""
+    h = enter_block(llama._rms_norm(x, w["mlp_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
+    out, balance = mixture_of_experts(h, BLOCK, w["router"], w["w_gate"], w["w_up"], w["w_down"], cfg.routing)
+    if cfg.shared_experts:
+        act = constrain(jax.nn.silu(jnp.einsum("ble,em->blm", h, w["shared_gate"])) * jnp.einsum("ble,em->blm", h, w["shared_up"]),
+                        ("batch", "length", "mlp"))
+        out = out + jnp.einsum("blm,me->ble", act, w["shared_down"])
+    return residual_add(x, out, ("mlp",), RESIDUAL, pending), balance
+
+
+def loss_fn(model: MoE, batch):
+    """Next-token cross-entropy (batches as ``llama.loss_fn`` takes them) plus ``balance_weight`` x
+    the layers' mean load-balancing loss."""
+    if not isinstance(batch, dict):
+        batch = {"inputs": batch[:, :-1], "targets": batch[:, 1:]}
+    logits, balance = model.call_and_extras(batch["inputs"], batch.get("positions"), batch.get("segments"))
+    loss = cross_entropy(logits, batch["targets"], llama.LOGITS, batch.get("weights"))
+    return loss + model.cfg.balance_weight * jnp.mean(balance) if model.cfg.balance_weight else loss
+
+
+def _meta(cfg: MoEConfig) -> dict:
+    return {"routing": dataclasses.asdict(cfg.routing), "balance_weight": cfg.balance_weight}
+
+
+FAMILY = Family(name="moe", words="mixture-of-experts model", config_type=MoEConfig, configs=CONFIGS,
+                model=lambda cfg, rngs: MoE(cfg, rngs=rngs), loss=loss_fn, axes=frozenset({"expert"}), meta=_meta)

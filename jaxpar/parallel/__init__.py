@@ -200,6 +200,12 @@ def runtime_axes(layout: Layout) -> tuple[str, ...]:
     return tuple(a for module in STRATEGIES for a in module.runtime_axes(layout))
 
 
+def token_places(layout: Layout, length: int):
+    """Where in its row each position this device holds sits, for rows of ``length`` (None: no
+    strategy splits the rows with places of its own)."""
+    return next((at for module in STRATEGIES if (at := module.places(layout, length)) is not None), None)
+
+
 def comparable(layout: Layout) -> str | None:
     """Why one device is not ``layout``'s oracle, in words (None: it is)."""
     return next((why for module in STRATEGIES if (why := module.comparable(layout))), None)

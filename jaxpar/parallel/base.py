@@ -41,6 +41,8 @@ What it adds to a step:
 
 - ``local_batch(layout, batch)``: this device's part of a batch inside the manual step;
 - ``runtime_axes(layout)``: mesh axes its own runtime finishes the sums over;
+- ``places(layout, length)``: where in its row each position this device holds sits, for rows of
+  ``length`` (an int array; None: not a split of its own);
 - ``attention_kernel(layout)``: the kernel it runs whatever a run asks (None: the run's choice);
 - ``compiler_options(layout)``: ``jax.jit`` compiler options its programs need;
 - ``serves_manually(layout)``: whether serving runs only inside one shard_map, where jaxpar's own
@@ -176,6 +178,10 @@ def local_batch(layout, batch):
 
 def runtime_axes(layout) -> tuple[str, ...]:
     return ()
+
+
+def places(layout, length: int):
+    return None
 
 
 def attention_kernel(layout) -> str | None:

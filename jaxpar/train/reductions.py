@@ -49,8 +49,12 @@ class ReductionPlan(NamedTuple):
 
 def reduction_plan(layout: Layout, names) -> ReductionPlan:
     """The plan of a weight with these (effective) logical names: every axis the tokens are split
-    over (``layout.loss_axes``: the batch axes, and the context axes) appears in it once."""
-    pending = list(layout.loss_axes)
+    over (``layout.loss_axes``: the batch axes, and the context axes) appears in it once, except
+    the axes its compute layout splits it over: each device there computes with other weights
+    (expert parallelism's experts), and the exchange that brought it the tokens took their
+    cotangents home in the backward pass, so its gradient is whole already."""
+    split = {a for n in names for a in layout.axes_of(n)}
+    pending = [a for a in layout.loss_axes if a not in split]
     parts: dict[str, list] = {}
     for part, src, dst in PARTS:
         parts[part] = []

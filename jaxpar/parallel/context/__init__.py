@@ -34,7 +34,8 @@ from jaxpar.mesh import divisors
 from jaxpar.parallel import data
 from jaxpar.parallel.base import count_option, option_of
 from jaxpar.parallel.context import split_attention
-from jaxpar.parallel.context.split_attention import A2A, FETCH, RING, SHARES, check_heads, local_sequences, rank_work, required_multiple
+from jaxpar.parallel.context.split_attention import (A2A, FETCH, RING, SHARES, check_heads, local_places, local_sequences, rank_work,
+                                                     required_multiple)
 
 
 def _splits(layout) -> bool:
@@ -165,6 +166,11 @@ def local_batch(layout, batch):
 
 def runtime_axes(layout) -> tuple[str, ...]:
     return layout.role(RING) + layout.role(A2A)
+
+
+def places(layout, length: int):
+    """This device's places in its rows (as ``local_batch`` cuts them), inside the step's shard_map."""
+    return local_places(layout, length) if _splits_alone(layout) else None
 
 
 def _size(layout, axes) -> int:

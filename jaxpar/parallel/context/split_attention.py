@@ -62,27 +62,28 @@ def required_multiple(ring: int, a2a: int) -> int:
     return math.lcm(2 * ring, ring * a2a)
 
 
-def local_sequences(batch, layout):
-    """This device's positions of a batch, inside the step's shard_map (rows already its own): a
-    (batch, length + 1) token array becomes ``{"inputs", "targets", "positions"}`` of shape
-    (batch, length); every leaf of a dict of (batch, length) arrays is cut to the positions this
-    device holds (``sequence_order``, then its piece of it)."""
-    if not isinstance(batch, dict):
-        tokens = batch
-        n = tokens.shape[1] - 1
-        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": jnp.broadcast_to(jnp.arange(n), (tokens.shape[0], n))}
+def local_places(layout, length: int):
+    """Where in its rows of ``length`` the positions this device holds sit (``sequence_order``,
+    then its piece of it, counted ring major as the layout splits the sequence)."""
     axes = layout.axes_of("length")
     ring = math.prod(layout.mesh.shape[a] for a in layout.role(RING))
     pieces = math.prod(layout.mesh.shape[a] for a in axes)
     index = 0
-    for axis in axes:  # this device's piece, counted ring major as the layout splits the sequence
+    for axis in axes:
         index = index * layout.mesh.shape[axis] + jax.lax.axis_index(axis)
+    return jnp.asarray(sequence_order(length, ring).reshape(pieces, -1))[index]
 
-    def cut(x):
-        held = jnp.asarray(sequence_order(x.shape[1], ring).reshape(pieces, -1))[index]
-        return jnp.take(x, held, axis=1)
 
-    return {key: cut(x) for key, x in batch.items()}
+def local_sequences(batch, layout):
+    """This device's positions of a batch, inside the step's shard_map (rows already its own): a
+    (batch, length + 1) token array becomes ``{"inputs", "targets", "positions"}`` of shape
+    (batch, length); every leaf of a dict of (batch, length) arrays is cut to the positions this
+    device holds (``local_places``)."""
+    if not isinstance(batch, dict):
+        tokens = batch
+        n = tokens.shape[1] - 1
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": jnp.broadcast_to(jnp.arange(n), (tokens.shape[0], n))}
+    return {key: jnp.take(x, local_places(layout, x.shape[1]), axis=1) for key, x in batch.items()}
 
 
 def check_heads(layout, weights: dict):

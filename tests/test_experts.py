@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP on one device (models/moe.py): the grouped-matmul block equals a
+"""The mixture-of-experts MLP on one device (jaxpar/experts.py): the grouped-matmul block equals a
 per-expert loop written here, value and gradients, an expert that receives no token included; the
 dispatch offsets alone; the load-balancing loss against its formula; a top-k the experts cannot give
 refused in words."""
@@ -9,9 +9,14 @@ import numpy as np
 import pytest
 
 from jaxpar.errors import JaxparError
-from jaxpar.models import moe
+from jaxpar import experts as moe
 
 TOKENS, EMBED, MLP, EXPERTS, TOP_K = 12, 8, 16, 4, 2
+ROUTING = moe.Routing(EXPERTS, TOP_K)
+
+
+def block(x, *w):
+    return moe.mixture(x[None], *w, ROUTING)[0][0]
 
 
 def weights(seed=0, silent_expert=None):
@@ -46,12 +51,12 @@ def loop_moe(x, router, gate, up, down):
 def test_the_block_equals_a_per_expert_loop_value_and_gradients(silent_expert):
     args = weights(silent_expert=silent_expert)
     if silent_expert is not None:
-        _, experts, _ = moe.route(args[0] @ args[1], TOP_K)
+        _, experts, _ = moe.route(args[0] @ args[1], ROUTING)
         assert not (experts == silent_expert).any()  # the case the test is about: an empty group
-    got = moe.moe_mlp(*args, TOP_K)[0]
+    got = block(*args)
     np.testing.assert_allclose(got, loop_moe(*args), rtol=1e-5, atol=1e-5)
     probe = jax.random.normal(jax.random.key(9), (TOKENS, EMBED))  # a loss that weighs every output differently
-    grads = jax.grad(lambda *a: jnp.sum(moe.moe_mlp(*a, TOP_K)[0] * probe), argnums=(0, 1, 2, 3, 4))(*args)
+    grads = jax.grad(lambda *a: jnp.sum(block(*a) * probe), argnums=(0, 1, 2, 3, 4))(*args)
     want = jax.grad(lambda *a: jnp.sum(loop_moe(*a) * probe), argnums=(0, 1, 2, 3, 4))(*args)
     for g, w in zip(grads, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
@@ -68,19 +73,23 @@ def test_dispatch_groups_each_experts_copies_and_counts_an_empty_expert():
     assert combined[:, 0].tolist() == [3.0 + 10 * 0.0, 1.0 + 10 * 4.0, 2.0 + 10 * 5.0]
 
 
+def loss(probs, experts):
+    return moe.balance_loss(moe.balance_sums(jnp.asarray(experts), jnp.asarray(probs), EXPERTS), experts.shape[1])
+
+
 def test_load_balancing_loss_equals_its_formula():
     rng = np.random.default_rng(0)
     probs = rng.dirichlet(np.ones(EXPERTS), size=TOKENS)
     experts = np.argsort(-probs, axis=1)[:, :TOP_K]
     f = np.array([(experts == e).sum() for e in range(EXPERTS)]) / experts.size
     want = EXPERTS * np.sum(f * probs.mean(axis=0))
-    np.testing.assert_allclose(moe.load_balancing_loss(jnp.asarray(probs), jnp.asarray(experts), EXPERTS), want, rtol=1e-6)
+    np.testing.assert_allclose(loss(probs, experts), want, rtol=1e-6)
     uniform = np.full((EXPERTS, EXPERTS), 1 / EXPERTS)  # every expert equally likely and equally loaded: 1
-    np.testing.assert_allclose(moe.load_balancing_loss(jnp.asarray(uniform), jnp.arange(EXPERTS)[:, None], EXPERTS), 1.0)
+    np.testing.assert_allclose(loss(uniform, np.arange(EXPERTS)[:, None]), 1.0)
     onehot = np.eye(EXPERTS)[np.zeros(TOKENS, int)]  # every token on expert 0 with probability 1: E
-    np.testing.assert_allclose(moe.load_balancing_loss(jnp.asarray(onehot), jnp.zeros((TOKENS, 1), int), EXPERTS), EXPERTS)
+    np.testing.assert_allclose(loss(onehot, np.zeros((TOKENS, 1), int)), EXPERTS)
 
 
 def test_a_top_k_above_the_experts_is_refused_in_words():
     with pytest.raises(JaxparError, match=r"top_k=5 must be between 1 and the number of experts \(4\)"):
-        moe.route(jnp.zeros((3, 4)), 5)
+        moe.Routing(4, 5)

@@ -1,0 +1,92 @@
+"""Expert parallelism (EP) over ``expert``: the experts of a mixture-of-experts layer (logical axis
+``experts``) are split over ``expert``, and so is the batch (outside the experts the axis is a
+data axis). Tokens travel to the devices that hold their experts and back (``exchange.py``);
+``expert_exchange=`` chooses how: ``ragged`` (``jax.lax.ragged_all_to_all``: only the routed copies
+on the wire), ``padded`` (its dense twin, for backends whose runtime lacks the ragged one: XLA:CPU),
+or ``auto`` (the default: by the devices' backend).
+
+It composes with data and FSDP (expert weights stored split over ``fsdp`` on their ``embed`` dim
+like every weight, gathered per layer), with tensor parallelism (expert-tensor: each expert's hidden
+width over ``tensor``), with context parallelism (each device routes the positions it holds) and with
+pipelines.
+
+Gradients: an expert's weights live on one device of each ``expert`` group and the exchange's
+backward already brings it every token's cotangent, so they are never reduced over ``expert``;
+every other weight is, with the batch axes (one all-reduce over ``data`` x ``expert``).
+
+Traffic per MoE layer and device, with T tokens on a device, k experts per token, P devices and the
+slots of S rows (``exchange.slot_rows``) of embed width h in the compute dtype: the padded twin sends
+(P-1) x S x h forward and as much back, and the same again in the backward pass (four all-to-alls),
+plus the counts (P x E/P int32 each way, twice); the ragged exchange sends only the copies that
+leave the device, at most (P-1)/P x T x k of them for even routing, each way.
+"""
+
+import math
+
+from jaxpar.errors import LayoutError, SpecError
+from jaxpar.parallel.base import option_of
+from jaxpar.parallel.expert import exchange
+from jaxpar.parallel.expert.exchange import EXCHANGE, PADDED, RAGGED
+
+AXES = ("expert",)
+NEEDS_MODEL = "it splits the experts of a mixture-of-experts model (e.g. --model moe-tiny)"
+CROSSES_DCN = False
+EXCHANGES = ("auto", "ragged", "padded")
+
+OPTIONS = {"expert_exchange": (option_of({e: e for e in EXCHANGES}, "choose auto (by the backend), ragged "
+                                         "(ragged_all_to_all) or padded (its dense twin, for XLA:CPU)"), "auto")}
+
+
+def check(strategy):
+    if "expert_exchange" in strategy.given and strategy.degrees.get("expert", 1) == 1:
+        raise SpecError(f"expert_exchange= says how tokens cross the expert axis; {strategy} has no expert axis: "
+                        f"drop expert_exchange or add expert=N")
+
+
+def check_model(strategy, cfg, seq_len: int) -> None:
+    """Refuse experts that do not split evenly over the expert degree."""
+    degree = strategy.degrees.get("expert", 1)
+    count = getattr(cfg, "experts", None)
+    if degree > 1 and count is not None and count % degree:
+        fits = [d for d in range(1, count + 1) if count % d == 0]
+        raise LayoutError(f"expert={degree} does not divide the model's {count} experts: each device holds the same "
+                          f"number of whole experts; use expert= one of {', '.join(map(str, fits))}")
+
+
+def rules(strategy, compute: dict, stored: dict):
+    compute["batch"] = compute["batch"] + AXES
+    compute["experts"] = compute["experts"] + AXES  # the stored mappings inherit it
+
+
+def roles(strategy) -> dict[str, tuple[str, ...]]:
+    choice = strategy.options["expert_exchange"]
+    return {EXCHANGE: AXES, RAGGED: AXES if choice == "ragged" else (), PADDED: AXES if choice == "padded" else ()}
+
+
+def traffic(strategy, ctx) -> dict:
+    """The exchange's all-to-all bytes per device per step (see the module doc), from the model's
+    shapes; the all-reduce of the other weights' gradients over ``expert`` is data's (a batch axis)."""
+    layout, model = ctx.layout, ctx.model
+    devices = math.prod(ctx.mesh[a] for a in layout.role(EXCHANGE))
+    if devices == 1 or model is None or not getattr(model, "experts", None):
+        return {}
+    per_layer = layer_bytes(layout, model, ctx.batch // ctx.batch_shards, ctx.length // ctx.sequence_shards,
+                            ctx.compute_bytes, ragged=exchange.runs_ragged(layout))
+    forwards = 1 + (ctx.remat != "none")  # recomputation runs the forward's exchanges again
+    return {("all-to-all", "expert"): model.layers * per_layer * (forwards + 1) / 2}
+
+
+def layer_bytes(layout, model, rows: int, length: int, compute_bytes: int, ragged: bool) -> float:
+    """All-to-all bytes one device sends per MoE layer, forward and backward (the exchange and
+    its reverse each way), for ``rows`` x ``length`` tokens on the device; the ragged exchange at
+    even routing."""
+    devices = math.prod(layout.mesh.shape[a] for a in layout.role(EXCHANGE))
+    local = model.experts // devices
+    tokens = rows * length
+    capacity = model.routing.capacity(length)
+    if ragged:
+        moved = (devices - 1) / devices * tokens * model.top_k
+    else:
+        moved = (devices - 1) * exchange.slot_rows(tokens, model.top_k, local, rows, capacity)
+    counts = (devices - 1) * local * 4  # int32 per source and expert
+    return 2 * 2 * (moved * model.embed * compute_bytes) + 2 * counts

@@ -1,0 +1,128 @@
+"""The token exchange of expert parallelism, inside the step's shard_map.
+
+The ``expert`` axis splits the batch (as a data axis does) and the experts: each of its P devices
+holds E / P consecutive experts and its own tokens. A device routes its tokens, sorts the copies
+by expert (``experts.dispatch``: the copies for device j's experts are then one segment), and:
+
+1. sends each device the counts of the copies it will get, per expert (an all-to-all of P x E/P
+   int32);
+2. sends each device its segment: the ragged exchange (``jax.lax.ragged_all_to_all``, only the
+   copies themselves on the wire) where the backend runs it, or the padded twin (one dense
+   all-to-all of P slots of S rows, S the most copies a device can send another) where it does not
+   (XLA:CPU); either way source s's copies land in slot s of a (P x S, embed) buffer;
+3. groups what it received by its own experts and runs their SwiGLUs as grouped matmuls;
+4. sends the outputs back the way they came (the reverse exchange), where ``experts.combine``
+   weighs each token's copies together.
+
+Expert-tensor parallelism needs nothing here: the tokens reach every device of a ``tensor`` group
+alike, each runs its share of the experts' hidden width, and the outputs are partial sums over
+``tensor`` that the model's residual add finishes, as after a dense MLP. The backward pass is JAX's:
+an all-to-all's transpose is the reverse all-to-all, so each device's expert gradients already sum
+every token that reached them, and they are never reduced over ``expert``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar import experts
+
+EXCHANGE = "expert_exchange"  # the role: mesh axes the experts are split over (Layout.role)
+RAGGED = "expert_ragged"  # role present: the ragged exchange whatever the backend
+PADDED = "expert_padded"  # role present: the padded twin whatever the backend
+RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")  # backends whose runtime runs ragged_all_to_all
+
+
+def runs_ragged(layout) -> bool:
+    """Whether ``layout``'s exchange is the ragged one: as its option says, else by the devices' backend."""
+    if layout.role(RAGGED) or layout.role(PADDED):
+        return bool(layout.role(RAGGED))
+    return layout.mesh.devices.flat[0].platform in RAGGED_PLATFORMS
+
+
+def slot_rows(tokens: int, top_k: int, local_experts: int, rows: int, capacity: int | None) -> int:
+    """S: the most copies one device can send another: each of its ``tokens`` sends at most
+    min(top_k, E/P) (its experts are distinct), and under capacity each of its ``rows`` at most
+    ``capacity`` per expert."""
+    most = tokens * min(top_k, local_experts)
+    return most if capacity is None else min(most, rows * capacity * local_experts)
+
+
+def _index(axes) -> jax.Array:
+    index = 0
+    for axis in axes:
+        index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
+    return index
+
+
+def mixture(x, kept, weights, w_gate, w_up, w_down, num_experts: int, axes: tuple, ragged: bool, slot: int):
+    """The mixture's output (tokens, embed) for this device's tokens ``x`` (tokens, embed), their
+    experts ``kept`` (tokens, top_k; a dropped copy marked ``num_experts``) and routing ``weights``;
+    the expert weights are this device's E / P experts."""
+    top_k = kept.shape[1]
+    devices = math.prod(jax.lax.axis_size(a) for a in axes)
+    local = num_experts // devices
+    order, group_sizes = experts.dispatch(kept, num_experts)
+    copies = jnp.take(x, order // top_k, axis=0)
+    per_device = group_sizes.reshape(devices, local)
+    sends = jnp.sum(per_device, axis=1)
+    starts = jnp.cumsum(sends) - sends
+    received = jax.lax.all_to_all(per_device, axes, 0, 0, tiled=True)  # (source, my expert): copies coming
+    if ragged:
+        inbox = _ragged_out(copies, sends, starts, received, axes, slot)
+    else:
+        inbox, place = _padded_out(copies, kept, order, starts, local, devices, axes, slot)
+    outputs = _run_experts(inbox, received, w_gate, w_up, w_down)
+    if ragged:
+        back = _ragged_back(outputs, sends, starts, received, axes, slot, copies.shape[0])
+    else:
+        back = _padded_back(outputs, place, devices, axes, slot)
+    return experts.combine(back, order, weights)
+
+
+def _padded_out(copies, kept, order, starts, local, devices, axes, slot):
+    """(the (P x S, embed) buffer of the copies every device sent this one, each sorted copy's
+    (device, row) in its slots); dropped copies go nowhere."""
+    device = jnp.take(kept.reshape(-1), order) // local  # P for a dropped copy: out of range, dropped
+    row = jnp.arange(copies.shape[0]) - jnp.take(starts, jnp.minimum(device, devices - 1))
+    slots = jnp.zeros((devices, slot, copies.shape[1]), copies.dtype).at[device, row].set(copies, mode="drop")
+    return jax.lax.all_to_all(slots, axes, 0, 0, tiled=True).reshape(devices * slot, -1), (device, row)
+
+
+def _padded_back(outputs, place, devices, axes, slot):
+    back = jax.lax.all_to_all(outputs.reshape(devices, slot, -1), axes, 0, 0, tiled=True)
+    device, row = place
+    return back.at[device, row].get(mode="fill", fill_value=0)
+
+
+def _ragged_out(copies, sends, starts, received, axes, slot):
+    devices = received.shape[0]
+    inbox = jnp.zeros((devices * slot, copies.shape[1]), copies.dtype)
+    landing = jnp.full((devices,), _index(axes) * slot, jnp.int32)  # slot s of every receiver is source s's
+    return jax.lax.ragged_all_to_all(copies, inbox, starts.astype(jnp.int32), sends.astype(jnp.int32), landing,
+                                     jnp.sum(received, axis=1).astype(jnp.int32), axis_name=axes)
+
+
+def _ragged_back(outputs, sends, starts, received, axes, slot, copies: int):
+    devices = received.shape[0]
+    their_starts = jax.lax.all_to_all(starts.reshape(devices, 1), axes, 0, 0, tiled=True).reshape(devices)
+    home = jnp.zeros((copies, outputs.shape[1]), outputs.dtype)
+    return jax.lax.ragged_all_to_all(outputs, home, (jnp.arange(devices) * slot).astype(jnp.int32),
+                                     jnp.sum(received, axis=1).astype(jnp.int32), their_starts.astype(jnp.int32),
+                                     sends.astype(jnp.int32), axis_name=axes)
+
+
+def _run_experts(inbox, received, w_gate, w_up, w_down):
+    """The SwiGLUs of this device's experts on the received copies ``inbox`` (P x S, embed), back in
+    the inbox's rows (zero where a slot is empty)."""
+    devices, local = received.shape
+    slot = inbox.shape[0] // devices
+    ends = jnp.cumsum(received, axis=1)  # (source, my expert): end of each expert's rows in a slot
+    rows = jnp.arange(slot)
+    expert = jax.vmap(lambda e: jnp.searchsorted(e, rows, side="right"))(ends)  # local for padding rows
+    order = jnp.argsort(expert.reshape(-1), stable=True)
+    outputs = experts.experts_mlp(jnp.take(inbox, order, axis=0), jnp.sum(received, axis=0), w_gate, w_up, w_down)
+    return jnp.zeros_like(outputs).at[order].set(outputs)
