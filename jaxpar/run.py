@@ -44,7 +44,8 @@ from jaxpar.train.step import TrainConfig, Trainer, nonfinite_message
 class RunConfig:
     # each flag is an option of the commands it names (jaxpar.flags), with train's default here
     model: str = flags.flag("tiny", commands=("train", "compile", "check", "bench"), help={
-        "train": "tiny | llama-1b | llama2-7b | llama3-8b | llama2-70b | bd3lm-tiny | bd3lm-8b"})
+        "train": "tiny | llama-1b | llama2-7b | llama3-8b | llama2-70b | bd3lm-tiny | bd3lm-8b | moe-tiny | mixtral-8x7b | "
+                 "deepseek-v3-like"})
     strategy: str = flags.flag("fsdp=4,tensor=2", commands=("train", "compile", "check"), help={
         "train": 'parallel spec and options, e.g. "data=2,fsdp=-1,tensor=2,zero=3,sp=off"',
         "compile": 'parallel spec and options, e.g. "fsdp=-1,regather=auto" (as for train)'})
@@ -66,6 +67,15 @@ class RunConfig:
         "train": "block diffusion models: the clean tokens before a block that it attends to, whole blocks "
                  "(a sliding window; default the whole prefix)",
         "compile": "block diffusion models: a sliding window of clean tokens, whole blocks (as for train)"})
+    # a mixture of experts' capacity per row as a multiple of an even share (None: its config's; 0: dropless)
+    capacity_factor: float | None = flags.flag(None, commands=("train", "compile"), help={
+        "train": "mixture-of-experts models (moe-tiny...): the copies an expert takes per row, as a multiple of an even "
+                 "share, e.g. 1.25 (0: dropless, the default)",
+        "compile": "mixture-of-experts models: capacity per row as a multiple of an even share (0: dropless)"})
+    # the weight of a mixture of experts' load-balancing loss (None: its config's)
+    balance_weight: float | None = flags.flag(None, commands=("train", "compile"), help={
+        "train": "mixture-of-experts models: the weight of the load-balancing loss (default the model's, 0.01 for moe-tiny)",
+        "compile": "mixture-of-experts models: the weight of the load-balancing loss"})
     train: TrainConfig = TrainConfig()
     # TrainConfig fields set on purpose even where they equal the default (the CLI's flags): like
     # any other non-default value, they are refused when the layout would ignore them

@@ -6,11 +6,17 @@ steps, SGD with momentum, losses, first-step gradients and final weights within 
 capacity is per row, earlier tokens first).
 """
 import dataclasses
+import math
 
 import pytest
+from flax.traverse_util import flatten_dict
 
+from jaxpar.analysis import hlo
+from jaxpar.errors import JaxparError, LayoutError
 from jaxpar.models import moe
-from tests.test_equivalence import assert_same, batches, oracle, sharded, tokens  # noqa: F401 (tokens: a fixture)
+from jaxpar.parallel import build_layout, check_model, parse_strategy
+from jaxpar.train.step import Trainer
+from tests.test_equivalence import BATCH, CFG, OPTIMIZER, SEQ, assert_same, batches, initial_weights, oracle, sharded, tokens  # noqa: F401 (tokens: a fixture)
 
 TINY = moe.CONFIGS["moe-tiny"]
 CAPPED = dataclasses.replace(TINY, capacity_factor=1.0)
@@ -39,3 +45,45 @@ LAYOUTS = ["expert=8", "expert=4,fsdp=2", "expert=2,tensor=2,fsdp=2", "expert=2,
 @pytest.mark.parametrize("strategy", LAYOUTS)
 def test_expert_layout_matches_one_device(strategy, routing, tokens, moe_oracles):  # noqa: F811
     assert_same(sharded(strategy, MODELS[routing], moe.loss_fn, batches(tokens)), moe_oracles[routing])
+
+
+def test_expert_layout_under_a_pipeline_matches_one_device(tokens):  # noqa: F811
+    # 1F1B over 2 stages with 2 micro-batches; a pipeline passes only the residual stream, so the
+    # model leaves its balance losses out (balance_weight=0: refused otherwise, below)
+    cfg = dataclasses.replace(TINY, balance_weight=0.0)
+    model_fn = lambda rngs: moe.MoE(cfg, rngs=rngs)  # noqa: E731
+    assert_same(sharded("stage=2,expert=2,fsdp=2", model_fn, moe.loss_fn, batches(tokens), dataclasses.replace(CFG, microbatches=2)),
+                oracle(model_fn, moe.loss_fn, batches(tokens)))
+
+
+def test_exchange_bytes_equal_the_formula_and_experts_are_never_reduced_over_expert():
+    """On the compiled step of expert=4,fsdp=2: the all-to-alls over expert carry what the formula
+    says for the batch (per MoE layer: the copies' slots out and back, forward and backward, and the
+    counts), and the all-reduce that joins expert sums every gradient but the experts' (whose bytes
+    it would otherwise hold: E/P experts' gate, up and down per layer)."""
+    trainer = Trainer(build_layout(parse_strategy("expert=4,fsdp=2", 8)), tiny_moe, moe.loss_fn, CFG, optimizer=OPTIMIZER)
+    batch = trainer.abstract_batch(BATCH, SEQ)
+    compiled = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
+    by_axes = hlo.by_axes(hlo.collectives(compiled.as_text(), trainer.layout.mesh))
+    rows, devices, local = BATCH // 8, 4, TINY.experts // 4
+    tokens = rows * SEQ
+    slot = tokens * min(TINY.top_k, local)  # dropless: the most copies one device can send another
+    per_layer = 4 * (devices - 1) * slot * TINY.embed * 4 + (devices - 1) * local * 4  # float32 rows; int32 counts
+    assert by_axes[("all-to-all", ("expert",))]["bytes_per_device"] == TINY.layers * per_layer
+    experts_local = TINY.layers * local * 3 * TINY.embed * TINY.mlp
+    others = sum(math.prod(leaf.shape) for path, leaf in flatten_dict(initial_weights(tiny_moe)).items()
+                 if path[-1] not in ("w_gate", "w_up", "w_down"))
+    balance = TINY.layers * 2 * (2 * TINY.experts * 4) * 7 / 8  # the balance sums over all 8 devices' tokens
+    allreduce = [v["bytes_per_device"] for (kind, axes), v in by_axes.items() if kind == "all-reduce" and "expert" in axes]
+    # the gradients held after fsdp's reduce-scatter (1/2), summed over expert (4 devices, ring: 2 x 3/4)
+    assert sum(allreduce) == pytest.approx(2 * others / 2 * 4 * 3 / 4 + balance, abs=64)
+    assert sum(allreduce) < 2 * (others + experts_local) / 2 * 4 * 3 / 4  # (what reducing the experts too would take)
+
+
+def test_a_pipeline_refuses_a_balance_loss_and_expert_degrees_must_divide_the_experts():
+    with pytest.raises(LayoutError, match=r"stage=2: a pipeline passes only the residual stream.*--balance-weight 0"):
+        check_model(parse_strategy("stage=2,expert=2,fsdp=2", 8), TINY, SEQ)
+    with pytest.raises(LayoutError, match=r"expert=8 does not divide the model's 6 experts.*one of 1, 2, 3, 6"):
+        check_model(parse_strategy("expert=8", 8), dataclasses.replace(TINY, experts=6), SEQ)
+    with pytest.raises(JaxparError, match=r"top_k=9 must be between 1 and the number of experts \(8\)"):
+        dataclasses.replace(TINY, top_k=9)

@@ -26,16 +26,18 @@ from jaxpar.rules import LOOKUP_AXIS, gather_plan
 BYTES_PER_PARAM = {"parameters": 4, "gradient_accumulation": 4, "optimizer": 8}
 
 
-def tensor_local_params(trainer, only_layers: bool = False) -> float:
-    """Weights one device holds after tensor parallelism and the pipeline (a stage stores only its
-    own layers) divide them, before any data-parallel sharding; with ``only_layers``, just the
-    stacked layer weights (logical axis ``layers``)."""
+def tensor_local_params(trainer, only_layers: bool = False, split_over: str | None = None) -> float:
+    """Weights one device holds after tensor parallelism, expert parallelism and the pipeline (a
+    stage stores only its own layers) divide them, before any data-parallel sharding; with
+    ``only_layers``, just the stacked layer weights (logical axis ``layers``); with ``split_over``,
+    just the weights whose compute layout splits them over that mesh axis."""
     layout, total = trainer.layout, 0.0
     for path, names in trainer.names.items():
-        if only_layers and "layers" not in names:
+        axes = [a for n in names for a in layout.axes_of(n, "compute")]
+        if (only_layers and "layers" not in names) or (split_over is not None and split_over not in axes):
             continue
         numel = math.prod(trainer.abstract_leaf(path).shape)
-        ways = math.prod(layout.mesh.shape[a] for n in names for a in layout.axes_of(n, "compute") if a not in layout.batch_axes)
+        ways = math.prod(layout.mesh.shape[a] for a in axes)
         if "layers" in names:
             ways *= math.prod(layout.mesh.shape[a] for a in layout.axes_of("layers", "param"))
         total += numel / ways

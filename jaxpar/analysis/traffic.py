@@ -30,7 +30,7 @@ class TrafficContext:
 
     layout: object
     mesh: dict  # mesh axis -> degree
-    psi: float  # weights one device holds after tensor parallelism and the pipeline divide them
+    psi: float  # weights one device holds after tensor / expert parallelism and the pipeline divide them
     table_psi: float  # of which lookup tables read at their stored shards (never gathered: their rows travel)
     table_width: int  # the row width of those tables, summed
     tables: int  # how many (each gathers the token ids of its group once per micro-batch)
@@ -50,6 +50,9 @@ class TrafficContext:
     model: object  # the LlamaConfig, for the activation traffic (None: weights only)
     schedule: object  # the pipeline schedule, or None
     remat: str = "none"  # what the backward pass recomputes (a recomputed forward sends its traffic again)
+    # of psi, the weights whose compute layout splits them over each batch axis (experts over
+    # ``expert``): their gradients are not reduced over it
+    split_psi: dict = dataclasses.field(default_factory=dict)
     # a block diffusion model's clean keys each noisy block reads (its mask's ``clean_reads``), for
     # clean_kv=fetch's all-to-all; None elsewhere
     clean_reads: object = None
@@ -72,6 +75,7 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
         microbatches=cfg.microbatches, batch_shards=layout.batch_shards, batch=batch_shape[0], length=batch_shape[1],
         model=model_cfg, schedule=trainer.plan.schedule, remat=cfg.remat,
         held_length=held_length(layout, batch_shape[1]),
+        split_psi={a: tensor_local_params(trainer, split_over=a) for a in layout.batch_axes},
         clean_reads=(bd3lm.block_diffusion_mask(batch_shape[1] // 2, model_cfg.block_size, model_cfg.window).blocks.allowed.clean_reads
                      if layout.role(FETCH) and model_cfg is not None else None),
     )

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.errors import JaxparError
 from jaxpar.experts import Routing
 from jaxpar.models import llama
 from jaxpar.models.family import Family
@@ -107,7 +108,7 @@ class MoE(llama.Llama):
 
 def mixture_sublayer(x, pending, w, cfg: MoEConfig):
     """((the stream after the mixture-of-experts sublayer, the partial sum it leaves pending),
-    its load-balancing loss): the routed experts' output and the shared experts', partial sums
+    its load-balancing loss, None where the loss does not weigh it): the routed experts' output and the shared experts', partial sums
     over ``mlp``'s axes, finished by the residual add."""
     h = enter_block(llama._rms_norm(x, w["mlp_norm"], cfg.norm_eps), RESIDUAL, BLOCK)
     out, balance = mixture_of_experts(h, BLOCK, w["router"], w["w_gate"], w["w_up"], w["w_down"], cfg.routing)
@@ -115,7 +116,9 @@ def mixture_sublayer(x, pending, w, cfg: MoEConfig):
         act = constrain(jax.nn.silu(jnp.einsum("ble,em->blm", h, w["shared_gate"])) * jnp.einsum("ble,em->blm", h, w["shared_up"]),
                         ("batch", "length", "mlp"))
         out = out + jnp.einsum("blm,me->ble", act, w["shared_down"])
-    return residual_add(x, out, ("mlp",), RESIDUAL, pending), balance
+    # the balance losses leave the layer scan only where the loss reads them (a pipeline passes
+    # nothing but the residual stream between stages)
+    return residual_add(x, out, ("mlp",), RESIDUAL, pending), (balance if cfg.balance_weight else None)
 
 
 def loss_fn(model: MoE, batch):
@@ -128,9 +131,30 @@ def loss_fn(model: MoE, batch):
     return loss + model.cfg.balance_weight * jnp.mean(balance) if model.cfg.balance_weight else loss
 
 
+def configure(cfg: MoEConfig, seq_len: int, capacity_factor: float | None = None, balance_weight: float | None = None) -> MoEConfig:
+    """``cfg`` with a run's ``--capacity-factor`` (0: dropless) and ``--balance-weight``."""
+    if capacity_factor is not None:
+        cfg = dataclasses.replace(cfg, capacity_factor=capacity_factor or None)
+    if balance_weight is not None:
+        if balance_weight < 0:
+            raise JaxparError(f"--balance-weight {balance_weight} must be 0 or more (0 leaves the load-balancing loss out)")
+        cfg = dataclasses.replace(cfg, balance_weight=balance_weight)
+    return cfg
+
+
+def changed(cfg: MoEConfig, saved: dict, given: dict) -> str | None:
+    """Why a checkpoint's routing (``saved``: its meta) makes another function than ``cfg``'s."""
+    routing = saved.get("routing")
+    if routing is not None and routing != dataclasses.asdict(cfg.routing):
+        return (f"was trained with routing {routing}, and this run routes with {dataclasses.asdict(cfg.routing)}: another "
+                f"routing makes another function of the same weights; pass the same --capacity-factor to resume it")
+    return None
+
+
 def _meta(cfg: MoEConfig) -> dict:
     return {"routing": dataclasses.asdict(cfg.routing), "balance_weight": cfg.balance_weight}
 
 
 FAMILY = Family(name="moe", words="mixture-of-experts model", config_type=MoEConfig, configs=CONFIGS,
-                model=lambda cfg, rngs: MoE(cfg, rngs=rngs), loss=loss_fn, axes=frozenset({"expert"}), meta=_meta)
+                model=lambda cfg, rngs: MoE(cfg, rngs=rngs), loss=loss_fn, axes=frozenset({"expert"}), meta=_meta,
+                options=("capacity_factor", "balance_weight"), configure=configure, changed=changed)

@@ -83,7 +83,8 @@ def local_sequences(batch, layout):
         tokens = batch
         n = tokens.shape[1] - 1
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": jnp.broadcast_to(jnp.arange(n), (tokens.shape[0], n))}
-    return {key: jnp.take(x, local_places(layout, x.shape[1]), axis=1) for key, x in batch.items()}
+    places = {n: local_places(layout, n) for n in {x.shape[1] for x in batch.values()}}
+    return {key: jnp.take(x, places[x.shape[1]], axis=1) for key, x in batch.items()}
 
 
 def check_heads(layout, weights: dict):

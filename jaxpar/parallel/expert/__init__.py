@@ -17,13 +17,16 @@ every other weight is, with the batch axes (one all-reduce over ``data`` x ``exp
 Traffic per MoE layer and device, with T tokens on a device, k experts per token, P devices and the
 slots of S rows (``exchange.slot_rows``) of embed width h in the compute dtype: the padded twin sends
 (P-1) x S x h forward and as much back, and the same again in the backward pass (four all-to-alls),
-plus the counts (P x E/P int32 each way, twice); the ragged exchange sends only the copies that
-leave the device, at most (P-1)/P x T x k of them for even routing, each way.
+plus the counts once (P-1 x E/P int32); the ragged exchange sends only the copies that leave the
+device, (P-1)/P x T x k of them for even routing, each way, plus the counts and the segments'
+starts. The balance loss adds one all-reduce of 2E float32 per layer over the devices the tokens
+are split over.
 """
 
 import math
 
 from jaxpar.errors import LayoutError, SpecError
+from jaxpar.parallel import data
 from jaxpar.parallel.base import option_of
 from jaxpar.parallel.expert import exchange
 from jaxpar.parallel.expert.exchange import EXCHANGE, PADDED, RAGGED
@@ -54,7 +57,8 @@ def check_model(strategy, cfg, seq_len: int) -> None:
 
 
 def rules(strategy, compute: dict, stored: dict):
-    compute["batch"] = compute["batch"] + AXES
+    if strategy.degrees.get("expert", 1) > 1:  # (a plain Flax model's own batch shardings name no expert axis it does not use)
+        compute["batch"] = compute["batch"] + AXES
     compute["experts"] = compute["experts"] + AXES  # the stored mappings inherit it
 
 
@@ -65,15 +69,25 @@ def roles(strategy) -> dict[str, tuple[str, ...]]:
 
 def traffic(strategy, ctx) -> dict:
     """The exchange's all-to-all bytes per device per step (see the module doc), from the model's
-    shapes; the all-reduce of the other weights' gradients over ``expert`` is data's (a batch axis)."""
+    shapes, and what joining ``expert`` adds to data's gradient all-reduce: every weight but the
+    experts is summed over data x expert."""
     layout, model = ctx.layout, ctx.model
     devices = math.prod(ctx.mesh[a] for a in layout.role(EXCHANGE))
-    if devices == 1 or model is None or not getattr(model, "experts", None):
+    if devices == 1:
         return {}
-    per_layer = layer_bytes(layout, model, ctx.batch // ctx.batch_shards, ctx.length // ctx.sequence_shards,
-                            ctx.compute_bytes, ragged=exchange.runs_ragged(layout))
+    shard = (ctx.psi - ctx.split_psi.get("expert", 0.0)) / ctx.grad_shards * ctx.reduce_bytes
+    n = ctx.mesh["data"]
+    out = {("all-reduce", "expert"): data.grad_allreduce_bytes(shard, n * devices) - data.grad_allreduce_bytes(shard, n)}
+    if model is None or not getattr(model, "experts", None):
+        return out
+    rows = ctx.batch // ctx.batch_shards // ctx.microbatches
+    per_layer = layer_bytes(layout, model, rows, ctx.held_length, ctx.compute_bytes, ragged=exchange.runs_ragged(layout))
     forwards = 1 + (ctx.remat != "none")  # recomputation runs the forward's exchanges again
-    return {("all-to-all", "expert"): model.layers * per_layer * (forwards + 1) / 2}
+    out[("all-to-all", "expert")] = ctx.microbatches * model.layers * per_layer * (forwards + 1) / 2
+    if model.balance_weight:  # each layer's balance sums (copies and probabilities per expert, float32) over all tokens
+        tokens = math.prod(ctx.mesh.values()) // ctx.mesh.get("stage", 1)
+        out[("all-reduce", "expert")] += ctx.microbatches * model.layers * forwards * data.grad_allreduce_bytes(2 * model.experts * 4, tokens)
+    return out
 
 
 def layer_bytes(layout, model, rows: int, length: int, compute_bytes: int, ragged: bool) -> float:
@@ -88,5 +102,7 @@ def layer_bytes(layout, model, rows: int, length: int, compute_bytes: int, ragge
         moved = (devices - 1) / devices * tokens * model.top_k
     else:
         moved = (devices - 1) * exchange.slot_rows(tokens, model.top_k, local, rows, capacity)
-    counts = (devices - 1) * local * 4  # int32 per source and expert
-    return 2 * 2 * (moved * model.embed * compute_bytes) + 2 * counts
+    counts = (devices - 1) * local * 4  # int32 per source and expert, forward only
+    if ragged:
+        counts += (devices - 1) * 4  # and where each segment starts in its sender's copies
+    return 2 * 2 * (moved * model.embed * compute_bytes) + counts

@@ -10,6 +10,7 @@ FSDP gathers the stage's layers a second time.
 
 import math
 
+from jaxpar.errors import LayoutError
 from jaxpar.parallel import data
 
 AXES = ("stage",)
@@ -35,6 +36,16 @@ def manual_only(layout, calls) -> str | None:
 
 def check(strategy):
     """The schedule and the micro-batches are checked when the trainer is built."""
+
+
+def check_model(strategy, cfg, seq_len: int) -> None:
+    """Refuse a model whose layers hand the loss more than the residual stream (a mixture of
+    experts' load-balancing losses): the stages pass only the stream between them."""
+    if strategy.degrees.get("stage", 1) > 1 and getattr(cfg, "balance_weight", 0):
+        raise LayoutError(f"stage={strategy.degrees['stage']}: a pipeline passes only the residual stream between "
+                          f"stages, and this model's layers also hand its loss their load-balancing losses "
+                          f"(balance_weight={cfg.balance_weight}); train it pipelined with --balance-weight 0, or "
+                          f"without stage=")
 
 
 def rules(strategy, compute: dict, stored: dict):
