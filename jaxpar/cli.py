@@ -147,6 +147,7 @@ def _compile(args) -> int:
         _simulate_cpu_devices(topology.num_chips)
     from jaxpar.aot import compile_report, format_report
     from jaxpar.errors import JobFailed, size_text
+    from jaxpar.models import FAMILIES
     from jaxpar.run import check_at_least, check_writable, write_json_atomically
     from jaxpar.train.step import TrainConfig
 
@@ -156,7 +157,8 @@ def _compile(args) -> int:
     cfg = config_from_args(TrainConfig, args, "compile")
     strategy = args.strategy + (f",context_algorithm={args.context_algorithm}" if args.context_algorithm else "")
     report = compile_report(args.model, topology, strategy, args.batch_size, args.seq_len, cfg, dump_hlo=args.dump_hlo,
-                            block_size=args.block_size, window=args.window, explicit=frozenset(given_flags(TrainConfig, args, "compile")))
+                            explicit=frozenset(given_flags(TrainConfig, args, "compile")),
+                            **{option: getattr(args, option) for family in FAMILIES.values() for option in family.options})
     print(format_report(report))
     if args.dump_hlo:
         print(f"\ncompiled program written to {args.dump_hlo}/step.hlo.txt")
@@ -295,12 +297,13 @@ def _generate(args) -> int:
         check_writable(args.json, "--json")
     prompts = _generate_prompts(args)
     family = common.checkpoint_family(args.checkpoint_dir, args.step)
-    wrong = {"llama": ("--new-blocks", "--denoise-steps"), "bd3lm": ("--max-new-tokens", "--prompts-file", "--permutation")}[family]
+    next_token = family in common.NEXT_TOKEN
+    wrong = ("--new-blocks", "--denoise-steps") if next_token else ("--max-new-tokens", "--prompts-file", "--permutation")
     given = [flag for flag in wrong if getattr(args, flag[2:].replace("-", "_")) is not None]
     if given:
-        raise JaxparError(f"{given[0]} is for {'block diffusion models' if family == 'llama' else 'a Llama'}; the checkpoint holds "
+        raise JaxparError(f"{given[0]} is for {'block diffusion models' if next_token else 'a Llama'}; the checkpoint holds "
                           f"a {common.family_words(family)}")
-    if family == "llama" and args.prompt is None and not args.prompts_file:
+    if next_token and args.prompt is None and not args.prompts_file:
         raise JaxparError("give --prompt TEXT or --prompts-file PATH: a Llama continues text (it has no start token)")
     if not args.strategy and topology.num_chips > 1:  # else the weights would sit on one of them, without a word
         raise JaxparError(f"--topology {args.topology} has {topology.num_chips} devices but without --strategy generation runs on "
@@ -314,12 +317,12 @@ def _generate(args) -> int:
         layout = build_layout(parse_strategy(args.strategy, len(devices)), devices)
     began = time.perf_counter()
     with _one_line_warnings("generate"):
-        if family == "llama":
-            return _generate_llama(args, prompts, layout, began)
+        if next_token:
+            return _generate_llama(args, prompts, layout, began, family)
         return _generate_blocks(args, prompts[0], layout, began)
 
 
-def _generate_llama(args, prompts, layout, began) -> int:
+def _generate_llama(args, prompts, layout, began, family: str) -> int:
     import time
 
     from jaxpar.serve import llama as decoder
@@ -329,7 +332,7 @@ def _generate_llama(args, prompts, layout, began) -> int:
     check_at_least("--max-new-tokens", new, 1)
     outs, decoded = decoder.generate_from_checkpoint(args.checkpoint_dir, prompts, new, temperature=args.temperature,
                                                      top_p=args.top_p, seed=args.seed, layout=layout, step=args.step,
-                                                     permutation=args.permutation)
+                                                     permutation=args.permutation, family=family)
     seconds = time.perf_counter() - began
     for out in outs:
         print(out.text)

@@ -23,13 +23,15 @@ from jaxpar.train.step import nonfinite_message
 @dataclasses.dataclass
 class Measured:
     """What a strategy's report section reads off the compiled step (``base.report``): the
-    ``communication`` field, the model's sequence ``length``, and, read on first use, the step's
-    ``collectives`` and its layer loops' ``blocking`` collectives (``analysis/hlo.py``)."""
+    ``communication`` field, the model's sequence ``length``, the strategies' formulas by
+    (collective kind, mesh axis) (``optimum``), and, read on first use, the step's ``collectives``
+    and its layer loops' ``blocking`` collectives (``analysis/hlo.py``)."""
 
     hlo_text: str
     mesh: object
     communication: dict
     length: int
+    optimum: dict = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def collectives(self) -> list:
@@ -52,7 +54,8 @@ def step_report(trainer, compiled, strategy, cfg, batch_shape: tuple[int, int]) 
         },
         "communication": traffic.compare(compiled.as_text(), trainer, strategy, batch_shape, cfg),
     }
-    measured = Measured(compiled.as_text(), trainer.layout.mesh, report["communication"], batch_shape[1])
+    measured = Measured(compiled.as_text(), trainer.layout.mesh, report["communication"], batch_shape[1],
+                        traffic.optimal_traffic_by_axis(trainer, strategy, batch_shape, cfg))
     for module in STRATEGIES:
         section = module.report(trainer.layout, measured, cfg)
         if section is not None:

@@ -28,7 +28,7 @@ import numpy as np
 from jaxpar import flags, parallel
 from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
-from jaxpar.models import CONFIGS, FAMILIES, family_of, model_and_loss, model_config
+from jaxpar.models import FAMILIES, family_of, model_and_loss, model_config
 from jaxpar.models.family import Family
 from jaxpar.parallel import STRATEGIES, Strategy, build_layout, check_model, parse_strategy
 from jaxpar.parallel.stage import schedules
@@ -162,11 +162,12 @@ def run_model_config(run: RunConfig):
     return family.configure(cfg, run.seq_len, **{option: getattr(run, option) for option in family.options})
 
 
-def check_model_axes(strategy: Strategy, model: str):
-    """Refuse a strategy with a mesh axis that needs something the model lacks (``NEEDS_MODEL`` of
-    its strategy, ``Family.axes``), suggesting the same degrees with that axis folded into ``data``."""
+def check_model_axes(strategy: Strategy, cfg, model: str):
+    """Refuse a strategy with a mesh axis that needs something the model (config ``cfg``, called
+    ``model``) lacks (``NEEDS_MODEL`` of its strategy, ``Family.axes``), suggesting the same
+    degrees with that axis folded into ``data``."""
     degrees, written = strategy.spec.degrees, strategy.written_degrees
-    family = family_of(model_config(model)) if model in CONFIGS else None
+    family = next((f for f in FAMILIES.values() if type(cfg) is f.config_type), None)
     for module in STRATEGIES:
         for axis in module.AXES if module.NEEDS_MODEL else ():
             if written.get(axis, 1) > 1 and (family is None or axis not in family.axes):
@@ -266,7 +267,7 @@ def plan_run(run: RunConfig, topology: Topology, devices=None, model_cfg=None, m
     check_fits_fully_sharded(cfg.num_params(), topology, name)
     devices = devices_for(topology) if devices is None else devices
     strategy = parse_strategy(run.strategy, len(devices))
-    check_model_axes(strategy, name)
+    check_model_axes(strategy, cfg, name)
     check_model(strategy, cfg, run.seq_len)
     check_unused_options(run, strategy)
     layout = build_layout(strategy, devices, num_slices=topology.num_slices)

@@ -23,6 +23,7 @@ from jaxpar.errors import JaxparError, LayoutError, SpecError
 from jaxpar.models import bd3lm, llama
 from jaxpar.parallel import build_layout, check_model, parse_strategy
 from jaxpar.train import data
+from jaxpar.models import model_config
 from jaxpar.run import check_model_axes
 from jaxpar.train.step import Trainer
 from tests.test_equivalence import CFG, OPTIMIZER, STEPS, assert_same, oracle, sharded
@@ -164,11 +165,11 @@ def test_bad_block_degrees_and_models_are_refused_with_the_valid_values():
     with pytest.raises(LayoutError, match=r"block=4 cannot split 4 diffusion blocks.*\(more devices than pairs\).* one of 1, 2"):
         block_parallel.check_degree(4, 4)
     with pytest.raises(JaxparError, match=r"block axis is not supported by model tiny.*bd3lm-tiny.*e.g. --strategy data=8"):
-        check_model_axes(parse_strategy("block=2,data=4", 8), "tiny")
-    check_model_axes(parse_strategy("block=2,data=4", 8), "bd3lm-tiny")
+        check_model_axes(parse_strategy("block=2,data=4", 8), model_config("tiny"), "tiny")
+    check_model_axes(parse_strategy("block=2,data=4", 8), model_config("bd3lm-tiny"), "bd3lm-tiny")
     # CSBP with P = C leaves a mesh block axis of 1: the written P is what is refused
     with pytest.raises(JaxparError, match=r"block axis is not supported by model tiny.*drop block=2"):
-        check_model_axes(parse_strategy("block=2,context=2,data=2", 4), "tiny")
+        check_model_axes(parse_strategy("block=2,context=2,data=2", 4), model_config("tiny"), "tiny")
     with pytest.raises(SpecError, match=r"block=2 with stage=2"):
         parse_strategy("block=2,stage=2,data=2", 8)
     with pytest.raises(SpecError, match=r"block=6 with context=4: the BP degree .* multiple of the context degree.*on 24 devices "

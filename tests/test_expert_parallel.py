@@ -8,7 +8,11 @@ capacity is per row, earlier tokens first).
 import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
+from flax import nnx
 from flax.traverse_util import flatten_dict
 
 from jaxpar.analysis import hlo
@@ -87,3 +91,38 @@ def test_a_pipeline_refuses_a_balance_loss_and_expert_degrees_must_divide_the_ex
         check_model(parse_strategy("expert=8", 8), dataclasses.replace(TINY, experts=6), SEQ)
     with pytest.raises(JaxparError, match=r"top_k=9 must be between 1 and the number of experts \(8\)"):
         dataclasses.replace(TINY, top_k=9)
+
+
+class PlainMoE(nnx.Module):
+    """A mixture of experts as a plain Flax user writes one (no jaxpar import): a router, top-2 of 8
+    experts, every expert run on every token and weighed by its routing weight (zero where not chosen)."""
+
+    def __init__(self, vocab=64, d=32, hidden=64, experts=8, *, rngs):
+        init = nnx.initializers.normal(0.1)
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.router = nnx.Linear(d, experts, use_bias=False, rngs=rngs)
+        self.w_in = nnx.Param(nnx.with_partitioning(init, ("experts", "embed", "mlp"))(rngs.params(), (experts, d, hidden)))
+        self.w_out = nnx.Param(nnx.with_partitioning(init, ("experts", "mlp", "embed"))(rngs.params(), (experts, hidden, d)))
+        self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        probs = jax.nn.softmax(self.router(x), axis=-1)
+        top, chosen = jax.lax.top_k(probs, 2)
+        weights = jnp.sum(jax.nn.one_hot(chosen, probs.shape[-1]) * (top / top.sum(-1, keepdims=True))[..., None], axis=-2)
+        hidden = jax.nn.gelu(jnp.einsum("bld,xdh->blxh", x, self.w_in[...]))
+        x = x + jnp.einsum("blxh,xhd,blx->bld", hidden, self.w_out[...], weights)
+        return self.head(x)
+
+
+def plain_loss(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch[:, :-1]), batch[:, 1:]).mean()
+
+
+def test_a_plain_flax_moe_under_expert_parallelism_matches_one_device(tokens):  # noqa: F811
+    model_fn = lambda rngs: PlainMoE(rngs=rngs)  # noqa: E731
+    host = [b % 64 for b in batches(tokens)]
+    trainer = Trainer(build_layout(parse_strategy("expert=4,fsdp=2", 8)), model_fn, plain_loss, CFG, optimizer=OPTIMIZER)
+    assert_same(sharded(trainer, model_fn, plain_loss, host), oracle(model_fn, plain_loss, host))
+    assert trainer.plan.path == "gspmd"
+    assert trainer.state_shardings.params["w_in"].spec[0] == "expert"  # the experts are split, not replicated

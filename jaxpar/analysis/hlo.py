@@ -41,7 +41,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# (a ragged all-to-all sends as much of its first operand as its sizes say: counted here at that
+# operand's whole size, the bound its static shapes give)
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Collective:
             "reduce-scatter": self.operand_bytes * f,
             "all-reduce": 2 * self.operand_bytes * f,
             "all-to-all": self.operand_bytes * f,
+            "ragged-all-to-all": self.operand_bytes * f,
         }[self.kind]
 
     @property
@@ -505,7 +508,8 @@ def collectives(hlo_text: str, mesh, dcn_axes: tuple[str, ...] = (), num_slices:
             if key:
                 first_copy[key] = len(out)
             result = done[ins.name].shape if ins.opcode.endswith("-start") and ins.name in done else ins.shape
-            operand_bytes = sum(shape_bytes(table[o].shape) for o in ins.operands if o in table)
+            sent = ins.operands[:1] if kind == "ragged-all-to-all" else ins.operands  # (the rest: its output buffer, offsets, sizes)
+            operand_bytes = sum(shape_bytes(table[o].shape) for o in sent if o in table)
             if kind == "collective-permute":
                 pairs = _source_target_pairs(ins.attrs)
                 moving = pairs[pairs[:, 0] != pairs[:, 1]]

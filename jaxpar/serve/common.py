@@ -29,7 +29,8 @@ BYTE_VOCAB = 256  # the main job's tokens are UTF-8 bytes (train/data.py)
 # the families serving has a decoder for (serve/llama.py, serve/bd3lm.py), and whether it runs
 # many positions in one step (a BD3-LM denoises a block of them), which a layout may split over
 # context or block devices; a Llama decodes one token a step
-SPLITS_LENGTH = {"llama": False, "bd3lm": True}
+SPLITS_LENGTH = {"llama": False, "bd3lm": True, "moe": False}
+NEXT_TOKEN = ("llama", "moe")  # the families the Llama decoder (serve/llama.py) generates from
 
 
 def check_decoder(family: str, model: str) -> None:

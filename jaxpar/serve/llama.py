@@ -46,12 +46,13 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import affinity
 from jaxpar.attention import DEFAULT_BLOCK
 from jaxpar.errors import JaxparError
-from jaxpar.models.llama import LOGITS, LlamaConfig
+from jaxpar.models import family_of
+from jaxpar.models.llama import LOGITS, Llama
 from jaxpar.nn import shard_offset
 from jaxpar.parallel import serves_manually
 from jaxpar.parallel.tensor import DELAYED
 from jaxpar.rules import Layout, use_layout
-from jaxpar.serve.common import (BYTE_VOCAB, Generated, Served, check_pick, decode_tokens, encode_text, is_int, pad_rows, pick,
+from jaxpar.serve.common import (BYTE_VOCAB, NEXT_TOKEN, Generated, Served, check_pick, decode_tokens, encode_text, is_int, pad_rows, pick,
                                  restore_model)
 
 
@@ -80,10 +81,11 @@ class Decoder(Served):
 
     def __init__(self, model, *, layout: Layout | None = None, vocab: int | None = None):
         cfg = model.cfg
-        if type(cfg) is not LlamaConfig:
-            raise JaxparError(f"the decoder generates from a Llama (models.llama.Llama); got a {type(model).__name__} with a "
-                              f"{type(cfg).__name__} (block diffusion models have their own sampler: jaxpar.serve.bd3lm)")
-        self.cfg = cfg
+        if not isinstance(model, Llama) or family_of(cfg).name not in NEXT_TOKEN:
+            raise JaxparError(f"the decoder generates from a Llama or a mixture of experts on its layers (models.llama.Llama, "
+                              f"models.moe.MoE); got a {type(model).__name__} with a {type(cfg).__name__} (block diffusion "
+                              f"models have their own sampler: jaxpar.serve.bd3lm)")
+        self.cfg, self.family = cfg, family_of(cfg).name
         if serves_manually(layout):  # (the plan's manual programs: each device's own heads in its cache)
             for name, count in (("kv_heads", cfg.kv_heads), ("heads", cfg.heads)):
                 ways = math.prod(layout.mesh.shape[a] for a in layout.axes_of(name))
@@ -205,9 +207,9 @@ def _entry(axes: tuple[str, ...]):
 
 def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.0,
                              top_p: float = 1.0, seed: int = 0, max_length: int | None = None, layout: Layout | None = None,
-                             step: int | None = None, permutation: str | None = None) -> tuple[list[Generated], Decoded]:
+                             step: int | None = None, permutation: str | None = None, family: str = "llama") -> tuple[list[Generated], Decoded]:
     """Continue each of ``prompts`` (text) by ``max_new_tokens`` byte tokens from the weights of a
-    ``jaxpar train`` checkpoint of a Llama, as ``Decoder.generate`` does on their UTF-8 bytes:
+    ``jaxpar train`` checkpoint of a model of ``family`` (a Llama, or ``moe``), as ``Decoder.generate`` does on their UTF-8 bytes:
     (one ``Generated`` per prompt, the decoding's ``Decoded``). ``max_length``: default the run's
     ``--seq-len`` (positions beyond it were never trained on; pass a larger one to go further).
     ``permutation``: a file of ``jaxpar affinity`` whose order of heads and MLP columns the weights
@@ -231,7 +233,7 @@ def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_to
         if permutation is not None:
             placed[:] = [affinity.load(permutation, meta["model"], cfg, serving=True, layout=layout)]
 
-    model, meta = restore_model(checkpoint_dir, "llama", layout=layout, step=step, check_meta=check)
+    model, meta = restore_model(checkpoint_dir, family, layout=layout, step=step, check_meta=check)
     _warn_of_delay(meta, layout, permutation)
     if placed:
         affinity.permute_model(model, placed[0])

@@ -106,3 +106,22 @@ def layer_bytes(layout, model, rows: int, length: int, compute_bytes: int, ragge
     if ragged:
         counts += (devices - 1) * 4  # and where each segment starts in its sender's copies
     return 2 * 2 * (moved * model.embed * compute_bytes) + counts
+
+
+def report(layout, measured, cfg) -> dict | None:
+    """The exchange's all-to-all bytes per MoE layer and device, measured on the compiled step
+    against the formula (``traffic``: over the step's micro-batches and recomputation)."""
+    axes = layout.role(EXCHANGE)
+    if not axes or not getattr(cfg, "experts", None):
+        return None
+    devices = math.prod(layout.mesh.shape[a] for a in axes)
+    moved = sum(c.bytes_per_step for c in measured.collectives if c.kind == "all-to-all" and c.mesh_axes == axes)
+    return {"exchange": "ragged" if exchange.runs_ragged(layout) else "padded", "devices": devices,
+            "experts_per_device": cfg.experts // devices, "measured_bytes_per_layer": moved / cfg.layers,
+            "formula_bytes_per_layer": measured.optimum.get(("all-to-all", "expert"), 0.0) / cfg.layers}
+
+
+def summary(section: dict) -> list[str]:
+    return ["", f"expert parallelism: {section['experts_per_device']} experts on each of {section['devices']} devices, "
+                f"the {section['exchange']} exchange; per MoE layer and device",
+            f"  all-to-all             {section['measured_bytes_per_layer']:14,.0f} bytes   formula {section['formula_bytes_per_layer']:14,.0f}"]
