@@ -126,3 +126,26 @@ def test_a_plain_flax_moe_under_expert_parallelism_matches_one_device(tokens):  
     assert_same(sharded(trainer, model_fn, plain_loss, host), oracle(model_fn, plain_loss, host))
     assert trainer.plan.path == "gspmd"
     assert trainer.state_shardings.params["w_in"].spec[0] == "expert"  # the experts are split, not replicated
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all`` as its documentation defines it, from all-gathers (XLA:CPU's
+    runtime lacks the op): sender s's rows input_offsets[s][j] .. + send_sizes[s][j] land in
+    receiver j's output at output_offsets[s][j]."""
+    me = jax.lax.axis_index(axis_name)
+    rows = jnp.arange(operand.shape[0])
+    everyone = [jax.lax.all_gather(a, axis_name, tiled=False) for a in (operand, input_offsets, send_sizes, output_offsets)]
+    for s in range(everyone[0].shape[0]):
+        data, start, size, land = (a[s] for a in everyone)
+        source = jnp.take(data, jnp.clip(start[me] + rows, 0, operand.shape[0] - 1), axis=0)
+        target = jnp.where(rows < size[me], land[me] + rows, output.shape[0])  # past the end: dropped
+        output = output.at[target].set(source, mode="drop")
+    return output
+
+
+@pytest.mark.parametrize("strategy, model", [("expert=8,expert_exchange=ragged", "dropless"),
+                                             ("expert=4,fsdp=2,expert_exchange=ragged", "capacity")])
+def test_the_ragged_exchange_matches_one_device_with_the_op_emulated(strategy, model, tokens, moe_oracles, monkeypatch):  # noqa: F811
+    # the offsets and sizes the ragged exchange computes, run through the op's documented semantics
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    assert_same(sharded(strategy, MODELS[model], moe.loss_fn, batches(tokens)), moe_oracles[model])
