@@ -15,6 +15,7 @@ import functools
 import numpy as np
 
 from jaxpar.analysis import hlo, memory, traffic
+from jaxpar.models import family_of, model_config
 from jaxpar.parallel import STRATEGIES
 from jaxpar.run import interruption_message
 from jaxpar.train.step import nonfinite_message
@@ -125,4 +126,6 @@ def format_summary(report: dict) -> str:
     for module in STRATEGIES:
         if module.name in report:
             lines += module.summary(report[module.name])
+    if "batch_report" in report:  # the model family's own section (a mixture of experts' routing)
+        lines += family_of(model_config(report["model"])).summary(report["batch_report"])
     return "\n".join(lines)

@@ -448,13 +448,16 @@ def run_training(
                 ckpt.close()
         raise
     report_progress("evaluating", steps.done)
-    held_out_loss = None
+    held_out_loss, batch_report = None, {}
     if not steps.interrupted:  # an interrupted run stops here, without the evaluation
+        if family.batch_report is not None:  # (before the held-out step, which consumes the state)
+            split = math.prod(trainer.layout.mesh.shape[a] for a in trainer.layout.axes_of("experts"))
+            batch_report["batch_report"] = family.batch_report(trainer.merge(state.params), batch_of(held, 0), split)
         # the compiled step's loss is the loss at the weights it is given (before its update): one
         # more call of it on a held-out batch, whose updated state is dropped, costs no compile
         held_out_loss = _scalar(compiled(state, batch_of(held, 0))[1]["loss"])
     model_length = family.reads(run.seq_len)  # a block diffusion model reads [x_t ; x_0]
-    analysis = analyze(trainer, compiled, strategy, cfg, (run.batch_size, model_length)) if analyze else {}
+    analysis = dict(analyze(trainer, compiled, strategy, cfg, (run.batch_size, model_length)) if analyze else {}, **batch_report)
     return _report(run, topology, trainer, strategy, cfg, start, steps, held_out_loss, model_length, analysis, ckpt)
 
 

@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -149,3 +150,21 @@ def test_the_ragged_exchange_matches_one_device_with_the_op_emulated(strategy, m
     # the offsets and sizes the ragged exchange computes, run through the op's documented semantics
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     assert_same(sharded(strategy, MODELS[model], moe.loss_fn, batches(tokens)), moe_oracles[model])
+
+
+def test_the_routing_report_counts_every_copy_and_drops_beyond_each_rows_capacity(tokens):  # noqa: F811
+    # one layer: its routing does not depend on what earlier layers dropped
+    cfg = dataclasses.replace(CAPPED, layers=1)
+    model = moe.MoE(cfg, rngs=nnx.Rngs(0))
+    batch = batches(tokens)[0]
+    report = moe.routing_report(model, batch, devices=4)
+    copies = np.array(report["copies_per_expert"])
+    assert (copies.sum(axis=1) == BATCH * SEQ * cfg.top_k).all()
+    per_row = [np.asarray(model.routing_counts(batch[i:i + 1, :-1])[0][0]) for i in range(BATCH)]
+    np.testing.assert_array_equal(copies[0], np.sum(per_row, axis=0))
+    kept = sum(np.minimum(row, cfg.routing.capacity(SEQ)).sum() for row in per_row)  # each row's copies, capped per expert
+    assert report["dropped_fraction"] == pytest.approx(1 - kept / copies.sum())
+    assert report["dropped_fraction"] > 0  # (the case the test is about)
+    loads = copies.reshape(1, 4, -1).sum(-1)
+    assert report["device_max_over_mean"] == pytest.approx((loads.max(-1) / loads.mean(-1)).tolist())
+    assert moe.routing_report(moe.MoE(dataclasses.replace(cfg, capacity_factor=None), rngs=nnx.Rngs(0)), batch, 4)["dropped_fraction"] == 0

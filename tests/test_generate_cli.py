@@ -103,7 +103,7 @@ def readme(tmp_path_factory):
 
 def test_the_readme_has_the_serving_commands():
     verbs = [argv[1] for _, argv in COMMANDS if argv[0] == "jaxpar"]
-    assert verbs.count("generate") >= 6 and verbs.count("affinity") == 1 and verbs.count("train") == 3, COMMANDS
+    assert verbs.count("generate") >= 7 and verbs.count("affinity") == 1 and verbs.count("train") == 4, COMMANDS
 
 
 @pytest.mark.parametrize("text", [text for text, _ in COMMANDS])

@@ -48,6 +48,11 @@ class Family:
     axes: frozenset[str] = frozenset()
     # (cfg) -> what a checkpoint records of the config beyond its name (a resume and the sampler read it)
     meta: Callable[[Any], dict] = lambda cfg: {}
+    # (model, batch, devices its experts are split over) -> the run report's section of what the
+    # model does with a batch (a mixture of experts' routing: loads, drops), run after training;
+    # None: no such section. ``summary`` (section) -> its lines in ``jaxpar train``'s summary
+    batch_report: Callable | None = None
+    summary: Callable[[dict], list] = lambda section: []
     # (cfg, saved meta, options given) -> why resuming the saved run as ``cfg`` would train
     # another function of the same weights (None: it would not)
     changed: Callable = _nothing_more

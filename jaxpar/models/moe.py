@@ -19,8 +19,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from jaxpar import experts
+from jaxpar.attention import CAUSAL
 from jaxpar.errors import JaxparError
 from jaxpar.experts import Routing
 from jaxpar.models import llama
@@ -105,6 +108,24 @@ class MoE(llama.Llama):
     def mlp(self, x, pending, w, cfg):
         return mixture_sublayer(x, pending, w, cfg)
 
+    def routing_counts(self, tokens):
+        """(copies, kept), each (layers, experts): the token copies each layer routes to each expert
+        for ``tokens`` (rows, length), and those within its capacity (all, dropless)."""
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = llama.embed_lookup(self.embedding, tokens, RESIDUAL)
+        return llama._layers(x, nnx.state(self.layers), self.cfg, positions, CAUSAL, _counting_sublayer)[1]
+
+
+def _counting_sublayer(x, pending, w, cfg: MoEConfig):
+    """``mixture_sublayer``'s stream, and its routing's (copies, kept) per expert."""
+    carry, _ = mixture_sublayer(x, pending, w, cfg)
+    h = llama._rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+    routing = cfg.routing
+    _, chosen, _ = experts.route(jnp.einsum("rle,ex->rlx", h, w["router"]), routing)
+    kept = experts.keep_within_capacity(chosen, experts.ranks_in_row(chosen, routing.experts), routing, h.shape[1])
+    count = lambda e: jnp.sum(jax.nn.one_hot(e, routing.experts, dtype=jnp.int32), axis=(0, 1, 2))  # noqa: E731
+    return carry, (count(chosen), count(kept))
+
 
 def mixture_sublayer(x, pending, w, cfg: MoEConfig):
     """((the stream after the mixture-of-experts sublayer, the partial sum it leaves pending),
@@ -151,10 +172,30 @@ def changed(cfg: MoEConfig, saved: dict, given: dict) -> str | None:
     return None
 
 
+def routing_report(model: MoE, batch, devices: int) -> dict:
+    """The routing of ``batch`` (as the loss takes it) by the trained ``model``: copies per expert and
+    per device of the ``devices`` the experts are split over (max / mean, layer by layer), and the
+    copies dropped beyond capacity."""
+    tokens = batch[:, :-1] if not isinstance(batch, dict) else batch["inputs"]
+    copies, kept = (np.asarray(c) for c in jax.jit(MoE.routing_counts)(model, tokens))
+    per_device = copies.reshape(copies.shape[0], devices, -1).sum(-1)
+    imbalance = lambda loads: (loads.max(-1) / loads.mean(-1)).tolist()  # noqa: E731
+    return {"copies_per_expert": copies.tolist(), "expert_max_over_mean": imbalance(copies), "devices": devices,
+            "device_max_over_mean": imbalance(per_device), "dropped_fraction": float(1 - kept.sum() / copies.sum())}
+
+
+def _summary(section: dict) -> list[str]:
+    worst = lambda ratios: f"{max(ratios):.2f}"  # noqa: E731
+    return ["", f"expert load on the held-out batch (max / mean copies, worst layer): per expert {worst(section['expert_max_over_mean'])}, "
+                f"per device of {section['devices']} {worst(section['device_max_over_mean'])}; dropped beyond capacity "
+                f"{100 * section['dropped_fraction']:.2f}% of the copies"]
+
+
 def _meta(cfg: MoEConfig) -> dict:
     return {"routing": dataclasses.asdict(cfg.routing), "balance_weight": cfg.balance_weight}
 
 
 FAMILY = Family(name="moe", words="mixture-of-experts model", config_type=MoEConfig, configs=CONFIGS,
                 model=lambda cfg, rngs: MoE(cfg, rngs=rngs), loss=loss_fn, axes=frozenset({"expert"}), meta=_meta,
-                options=("capacity_factor", "balance_weight"), configure=configure, changed=changed)
+                options=("capacity_factor", "balance_weight"), configure=configure, changed=changed,
+                batch_report=routing_report, summary=_summary)
