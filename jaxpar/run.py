@@ -452,7 +452,8 @@ def run_training(
     if not steps.interrupted:  # an interrupted run stops here, without the evaluation
         if family.batch_report is not None:  # (before the held-out step, which consumes the state)
             split = math.prod(trainer.layout.mesh.shape[a] for a in trainer.layout.axes_of("experts"))
-            batch_report["batch_report"] = family.batch_report(trainer.merge(state.params), batch_of(held, 0), split)
+            # the batch from the host: the forward runs as XLA partitions it from the weights' layout
+            batch_report["batch_report"] = family.batch_report(trainer.merge(state.params), jax.device_get(batch_of(held, 0)), split)
         # the compiled step's loss is the loss at the weights it is given (before its update): one
         # more call of it on a held-out batch, whose updated state is dropped, costs no compile
         held_out_loss = _scalar(compiled(state, batch_of(held, 0))[1]["loss"])

@@ -81,7 +81,8 @@ def traffic(strategy, ctx) -> dict:
     if model is None or not getattr(model, "experts", None):
         return out
     rows = ctx.batch // ctx.batch_shards // ctx.microbatches
-    per_layer = layer_bytes(layout, model, rows, ctx.held_length, ctx.compute_bytes, ragged=exchange.runs_ragged(layout))
+    per_layer = layer_bytes(layout, model, rows, ctx.held_length, ctx.compute_bytes, ragged=exchange.runs_ragged(layout),
+                            row_length=ctx.length)
     forwards = 1 + (ctx.remat != "none")  # recomputation runs the forward's exchanges again
     out[("all-to-all", "expert")] = ctx.microbatches * model.layers * per_layer * (forwards + 1) / 2
     if model.balance_weight:  # each layer's balance sums (copies and probabilities per expert, float32) over all tokens
@@ -90,14 +91,15 @@ def traffic(strategy, ctx) -> dict:
     return out
 
 
-def layer_bytes(layout, model, rows: int, length: int, compute_bytes: int, ragged: bool) -> float:
+def layer_bytes(layout, model, rows: int, length: int, compute_bytes: int, ragged: bool, row_length: int | None = None) -> float:
     """All-to-all bytes one device sends per MoE layer, forward and backward (the exchange and
-    its reverse each way), for ``rows`` x ``length`` tokens on the device; the ragged exchange at
+    its reverse each way), for ``rows`` x ``length`` tokens on the device (of rows of
+    ``row_length``, default ``length``: the capacity is per whole row); the ragged exchange at
     even routing."""
     devices = math.prod(layout.mesh.shape[a] for a in layout.role(EXCHANGE))
     local = model.experts // devices
     tokens = rows * length
-    capacity = model.routing.capacity(length)
+    capacity = model.routing.capacity(row_length or length)
     if ragged:
         moved = (devices - 1) / devices * tokens * model.top_k
     else:
