@@ -3,10 +3,18 @@ slice name (``v5p-64``, ``2xv5p-64``: the table in ``jaxpar/tpu_slices.py``), or
 
 The TOML schema is documented in ``meshes/README.md``. Files use vendor units (GB/s, GiB, TFLOP/s);
 a ``Topology`` holds SI base units (bytes, bytes/s, FLOP/s) so that cost models never convert.
+
+A heterogeneous file holds several device groups (``[[groups]]``: a node of H100s and a node of
+A100s, two TPU generations), each with its own chip figures, and the bandwidth between groups. Its
+``Topology`` keeps the one-kind fields every other module reads, as the cluster would be if every
+chip were its slowest kind (the smallest HBM, FLOP/s and links), and lists the groups in
+``groups``; only the planner (``jaxpar.planner``) prices each group at its own speed. A file
+without groups is one group (``device_groups``).
 JAX is imported only inside ``local_topology()``: reading a file must not initialise a backend.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -19,6 +27,24 @@ from jaxpar.tpu_slices import GENERATIONS, parse_slice_name
 
 PLATFORMS = ("cpu", "tpu", "gpu")
 GB, GIB, TERA = 1e9, 2**30, 1e12
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """Chips of one kind in a cluster, with their own figures (SI units, as ``Topology``'s)."""
+
+    name: str
+    chip: str
+    num_chips: int
+    ici_shape: tuple[int, ...]  # one node / slice of this group
+    dcn_shape: tuple[int, ...]  # its nodes / slices
+    ici_bandwidth: float
+    ici_links_per_chip: int
+    dcn_bandwidth: float  # between this group's own nodes
+    hbm_bytes: int
+    hbm_bandwidth: float
+    peak_bf16_flops: float
+    tpu_topology: str | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +63,25 @@ class Topology:
     peak_bf16_flops: float  # FLOP/s per chip
     tpu_topology: str | None = None  # one slice, as get_topology_desc takes it
     source: str = ""  # path of the file it came from
+    groups: tuple[DeviceGroup, ...] = ()  # a heterogeneous cluster's device groups (empty: one kind)
+    group_bandwidth: float = 0.0  # bytes/s per chip between groups, one direction (heterogeneous only)
+
+    @property
+    def is_heterogeneous(self) -> bool:
+        return len(self.groups) > 1
+
+    @property
+    def device_groups(self) -> tuple[DeviceGroup, ...]:
+        """The groups of chips of one kind, in device order: a one-kind topology is one group."""
+        if self.groups:
+            return self.groups
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(DeviceGroup) if f.name != "name"}
+        return (DeviceGroup(name=self.chip, **fields),)
+
+    def group_view(self, group: DeviceGroup) -> Topology:
+        """``group`` alone as a one-kind Topology (the cost models' unit: one kind, ICI and DCN)."""
+        fields = {f.name: getattr(group, f.name) for f in dataclasses.fields(DeviceGroup) if f.name != "name"}
+        return Topology(name=f"{self.name}/{group.name}", platform=self.platform, source=self.source, **fields)
 
     @property
     def num_slices(self) -> int:
@@ -180,37 +225,35 @@ def _check_value(key: str, value, kind: str, where: str):
     return value
 
 
-def _from_dict(data: dict, path: pathlib.Path) -> Topology:
-    where = str(path)
+def _checked_keys(data: dict, keys: dict, optional: set, where: str) -> dict:
+    """Every key known and present, every value of its kind and sign (normalised)."""
     for key in data:
-        if key not in _KEYS:
-            close = difflib.get_close_matches(key, list(_KEYS), n=1)
+        if key not in keys:
+            close = difflib.get_close_matches(key, list(keys), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TopologyError(f"{where}: unknown key {key!r}{hint} (keys: meshes/README.md)")
-    missing = [k for k in _KEYS if k not in data and k not in _OPTIONAL]
+    missing = [k for k in keys if k not in data and k not in optional]
     if missing:
         raise TopologyError(
             f"{where}: missing required key {missing[0]!r}"
             + (f" (also missing: {', '.join(missing[1:])})" if missing[1:] else "")
-            + f"; add e.g. {missing[0]} = {_EXAMPLES[_KEYS[missing[0]][0]]} (meaning: meshes/README.md)"
+            + f"; add e.g. {missing[0]} = {_EXAMPLES[keys[missing[0]][0]]} (meaning: meshes/README.md)"
         )
-    v = {k: _check_value(k, data[k], _KEYS[k][0], where) for k in data}
+    return {k: _check_value(k, data[k], keys[k][0], where) for k in data}
+
+
+def _from_dict(data: dict, path: pathlib.Path) -> Topology:
+    where = str(path)
+    if "groups" in data:
+        return _from_groups(data, path)
+    v = _checked_keys(data, _KEYS, _OPTIONAL, where)
 
     if v["platform"] not in PLATFORMS:
         raise TopologyError(
             f"{where}: key 'platform' is {v['platform']!r}; it must be one of {', '.join(PLATFORMS)}"
         )
-    if v["name"] != path.stem:
-        raise TopologyError(
-            f"{where}: key 'name' is {v['name']!r} but the file is {path.name}; "
-            f"name the file {v['name']}.toml or set name = {path.stem!r}"
-        )
-    expected = math.prod(v["ici_shape"]) * math.prod(v["dcn_shape"])
-    if v["num_chips"] != expected:
-        raise TopologyError(
-            f"{where}: key 'num_chips' is {v['num_chips']} but prod(ici_shape={list(v['ici_shape'])}) "
-            f"* prod(dcn_shape={list(v['dcn_shape'])}) = {expected}; fix num_chips or the shapes"
-        )
+    _check_name(v["name"], path)
+    _check_chip_count(v, where)
     if v["platform"] == "tpu":
         _check_tpu_topology(v, where)
 
@@ -224,6 +267,86 @@ def _from_dict(data: dict, path: pathlib.Path) -> Topology:
         hbm_bandwidth=float(v["hbm_bandwidth_gbps"]) * GB,
         peak_bf16_flops=float(v["peak_bf16_tflops"]) * TERA,
         tpu_topology=v.get("tpu_topology"), source=where,
+    )
+
+
+def _check_name(name: str, path: pathlib.Path) -> None:
+    if name != path.stem:
+        raise TopologyError(
+            f"{path}: key 'name' is {name!r} but the file is {path.name}; "
+            f"name the file {name}.toml or set name = {path.stem!r}"
+        )
+
+
+def _check_chip_count(v: dict, where: str) -> None:
+    expected = math.prod(v["ici_shape"]) * math.prod(v["dcn_shape"])
+    if v["num_chips"] != expected:
+        raise TopologyError(
+            f"{where}: key 'num_chips' is {v['num_chips']} but prod(ici_shape={list(v['ici_shape'])}) "
+            f"* prod(dcn_shape={list(v['dcn_shape'])}) = {expected}; fix num_chips or the shapes"
+        )
+
+
+# A heterogeneous file: these keys at the top, and one [[groups]] table per kind of chip with the
+# one-kind keys but name and platform (a group's name is its own label)
+_CLUSTER_KEYS = {"name": ("str", None), "platform": ("str", None), "num_chips": ("int", None),
+                 "group_bandwidth_gbps": ("num", GB), "groups": ("groups", None)}
+_GROUP_KEYS = {k: kind for k, kind in _KEYS.items() if k != "platform"}
+
+
+def _from_groups(data: dict, path: pathlib.Path) -> Topology:
+    """A heterogeneous cluster: each group checked as a one-kind file is, then the whole."""
+    where = str(path)
+    top = _checked_keys({k: v for k, v in data.items() if k != "groups"}, _CLUSTER_KEYS, {"groups"}, where)
+    if top["platform"] not in PLATFORMS:
+        raise TopologyError(f"{where}: key 'platform' is {top['platform']!r}; it must be one of {', '.join(PLATFORMS)}")
+    _check_name(top["name"], path)
+    tables = data["groups"]
+    if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
+        raise TopologyError(f"{where}: 'groups' must be one or more [[groups]] tables (a node of one kind of chip each)")
+    groups = tuple(_group(table, i, top["platform"], where) for i, table in enumerate(tables))
+    names = [g.name for g in groups]
+    if len(set(names)) != len(names):
+        raise TopologyError(f"{where}: group names {names} repeat; give every [[groups]] table its own name")
+    total = sum(g.num_chips for g in groups)
+    if top["num_chips"] != total:
+        raise TopologyError(f"{where}: key 'num_chips' is {top['num_chips']} but the groups hold {total} chips "
+                            f"({', '.join(f'{g.name} {g.num_chips}' for g in groups)}); fix num_chips or a group's")
+    return _cluster(top, groups, where)
+
+
+def _group(table: dict, index: int, platform: str, where: str) -> DeviceGroup:
+    at = f"{where}: group {table.get('name', index)!r}"
+    v = _checked_keys(table, _GROUP_KEYS, _OPTIONAL, at)
+    _check_chip_count(v, at)
+    if platform == "tpu":
+        _check_tpu_topology(v, at)
+    return DeviceGroup(
+        name=v["name"], chip=v["chip"], num_chips=v["num_chips"], ici_shape=v["ici_shape"], dcn_shape=v["dcn_shape"],
+        ici_bandwidth=float(v["ici_bandwidth_gbps"]) * GB, ici_links_per_chip=v["ici_links_per_chip"],
+        dcn_bandwidth=float(v["dcn_bandwidth_gbps"]) * GB, hbm_bytes=int(v["hbm_gib"] * GIB),
+        hbm_bandwidth=float(v["hbm_bandwidth_gbps"]) * GB, peak_bf16_flops=float(v["peak_bf16_tflops"]) * TERA,
+        tpu_topology=v.get("tpu_topology"),
+    )
+
+
+def _cluster(top: dict, groups: tuple[DeviceGroup, ...], where: str) -> Topology:
+    """The one-kind view of a cluster: every chip as the slowest of its kinds, in nodes of the
+    largest size every group's nodes divide into (what a mesh over all of them can assume)."""
+    node = math.gcd(*(math.prod(g.ici_shape) for g in groups))
+    same = all(g.ici_shape == groups[0].ici_shape for g in groups)
+    between = float(top["group_bandwidth_gbps"]) * GB
+    topologies = {g.tpu_topology for g in groups}
+    return Topology(
+        name=top["name"], platform=top["platform"], chip="+".join(dict.fromkeys(g.chip for g in groups)),
+        num_chips=top["num_chips"], ici_shape=groups[0].ici_shape if same else (node,),
+        dcn_shape=(top["num_chips"] // (math.prod(groups[0].ici_shape) if same else node),),
+        ici_bandwidth=min(g.ici_bandwidth for g in groups), ici_links_per_chip=min(g.ici_links_per_chip for g in groups),
+        dcn_bandwidth=min([between] + [g.dcn_bandwidth for g in groups if g.num_chips > math.prod(g.ici_shape)]),
+        hbm_bytes=min(g.hbm_bytes for g in groups), hbm_bandwidth=min(g.hbm_bandwidth for g in groups),
+        peak_bf16_flops=min(g.peak_bf16_flops for g in groups),
+        tpu_topology=topologies.pop() if len(topologies) == 1 and same else None, source=where,
+        groups=groups, group_bandwidth=between,
     )
 
 
