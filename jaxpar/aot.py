@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 
 import jax
 
-from jaxpar.analysis import hlo, memory, roofline, traffic
+from jaxpar.analysis import hlo, memory, roofline
 from jaxpar.attention import check_platform
 from jaxpar.errors import JaxparError, JobFailed
-from jaxpar.mesh import dcn_misplaced, divisors, split_ici_dcn
+from jaxpar.mesh import dcn_misplaced, split_ici_dcn
 from jaxpar.models import family_of, llama
-from jaxpar import parallel
-from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar import parallel, planner
+from jaxpar.parallel import parse_strategy
 from jaxpar.parallel.stage import schedules
 from jaxpar.topology import Topology
 from jaxpar.run import (
@@ -249,36 +248,52 @@ def _estimate(trainer, strategy, model_cfg, batch_size: int, seq_len: int, rows,
 
 
 def rank_alternatives(trainer, current, topology: Topology, cfg, batch_size: int, seq_len: int, count: int) -> list[dict]:
-    """The ``count`` best other specs for the same chips, by the roofline estimate of their analytic
-    traffic (not compiled); a spec whose weights, gradients and optimizer state do not fit in HBM
-    ranks after every one that does."""
+    """The ``count`` best other layouts for the same chips, with the step's remat and micro-batches,
+    as ``jaxpar plan`` ranks them (``jaxpar.planner``: analytic traffic and memory, not compiled);
+    a layout that does not fit ranks after every one that does."""
+    if count <= 0:
+        return []
+    step_cfg = trainer.cfg
+    problem = planner.Problem(cfg, topology, batch_size, seq_len, compute_dtype=step_cfg.compute_dtype,
+                              grad_reduce_dtype=step_cfg.grad_reduce_dtype, only_remat=step_cfg.remat,
+                              only_microbatches=step_cfg.microbatches)
+    rows = []
+    for plan in planner.search(problem):
+        if _same_layout(plan.candidate.strategy_text, current, topology.num_chips):
+            continue
+        rows.append({"strategy": plan.candidate.strategy_text, "step_s": plan.step_s,
+                     "comm_s": plan.exposed_comm_s + plan.overlapped_comm_s, "mfu": plan.mfu, "fits": plan.fits,
+                     "state_bytes_per_chip": sum(plan.memory[k] for k in ("parameters", "optimizer", "gradients"))})
+        if len(rows) == count:
+            break
+    return rows
 
-    n = trainer.layout.mesh.size
-    devices = list(trainer.layout.mesh.devices.flat)
-    ranked = []
-    for tensor in [t for t in divisors(n) if t <= 16]:
-        for data in divisors(n // tensor):
-            fsdp = n // tensor // data
-            text = f"data={data},fsdp={fsdp},tensor={tensor}"
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # a slow axis across slices is priced below, not warned about
-                    strategy = parse_strategy(text, n)
-                    _, dcn = split_ici_dcn(strategy.spec, topology.num_slices)
-                    layout = build_layout(strategy, devices, num_slices=topology.num_slices)
-                candidate = Trainer(layout, trainer.model_fn, trainer.loss_fn, trainer.cfg)
-                candidate.check_batch(jax.ShapeDtypeStruct((batch_size, 1), "int32"), seq_len)
-            except JaxparError:  # does not divide the model or the slices: not a candidate
-                continue
-            if str(strategy) == str(current):
-                continue
-            sent = traffic.optimal_traffic_by_axis(candidate, strategy, (batch_size, seq_len), cfg)
-            rows = [(kind, axis, b, dcn[axis] > 1) for (kind, axis), b in sent.items()]
-            est = _estimate(candidate, strategy, cfg, batch_size, seq_len, rows, topology)
-            ranked.append((est.rank_key, {"strategy": str(strategy), "step_s": est.step_s, "comm_s": est.comm_s, "mfu": est.mfu,
-                                          "fits": est.fits, "state_bytes_per_chip": est.state_bytes}))
-    ranked.sort(key=lambda r: r[0])
-    return [row for _, row in ranked[:count]]
+
+def _same_layout(text: str, current, chips: int) -> bool:
+    strategy = parse_strategy(text, chips)
+    return strategy.degrees == current.degrees and strategy.zero_stage == current.zero_stage
+
+
+def compile_plans(plans, count: int, cfg: TrainConfig = POD_DEFAULTS) -> list[dict]:
+    """The ``count`` best of ``plans`` (``jaxpar.planner.plan``) compiled (TPU ahead of time, else
+    simulated CPU devices), each plan's predicted memory and traffic per device next to the
+    compiler's (memory: the program's data, its peak less its code; traffic: every collective's
+    bytes). A plan split unevenly across device groups compiles as its even layout (jaxpar runs one
+    SPMD program), which the row says."""
+    problem, rows = plans.problem, []
+    for plan in plans.ranked[:count]:
+        c = plan.candidate
+        step_cfg = dataclasses.replace(cfg, remat=c.remat, microbatches=c.microbatches, compute_dtype=problem.compute_dtype,
+                                       grad_reduce_dtype=problem.grad_reduce_dtype)
+        report = compile_report(problem.cfg, problem.topology, c.strategy_text, problem.batch, plans.seq_len, step_cfg,
+                                alternatives=0)
+        mem = report["memory_per_chip"]
+        rows.append({"plan": c.describe(), "compiler": report["compiler"],
+                     "predicted_memory": plan.memory_bytes, "compiled_memory": mem["peak"] - mem["generated_code"],
+                     "predicted_traffic": plan.traffic_bytes,
+                     "compiled_traffic": sum(r["bytes_per_chip"] for r in report["collectives"].values()),
+                     "note": f"compiled as the even split ({plan.split.describe()} is a plan only)" if plan.split else ""})
+    return rows
 
 
 def format_report(report: dict) -> str:

@@ -171,6 +171,46 @@ def _compile(args) -> int:
     return EXIT_OK
 
 
+def _plan_parser(sub, chosen: str | None):  # no config class: its options are its own
+    p = sub.add_parser("plan", help="search layouts (degrees, micro-batches, remat, FSDP policy, uneven splits across device "
+                                    "groups) for a model on a topology under a cost model; rank them and say why the others lose")
+    p.add_argument("--model", default=COMPILE_DEFAULTS["model"], help="a model by name (jaxpar.models.CONFIGS)")
+    p.add_argument("--topology", default="tpu-v5p-256", help="a TPU slice by name, a name from meshes/ or a TOML file "
+                                                             "(several [[groups]]: a heterogeneous cluster)")
+    p.add_argument("--batch-size", type=int, default=COMPILE_DEFAULTS["batch_size"], help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=COMPILE_DEFAULTS["seq_len"], help="tokens per sequence")
+    p.add_argument("--top", type=int, default=5, help="how many plans to print (default 5)")
+    p.add_argument("--compile", type=int, default=0, metavar="N",
+                   help="compile the best N plans (TPU ahead of time, else simulated CPU devices): predicted against compiled")
+    p.add_argument("--json", metavar="PATH", help="write the plans as JSON")
+    return p
+
+
+def _plan(args) -> int:
+    from jaxpar.run import check_at_least, check_writable, write_json_atomically
+    from jaxpar.topology import load_topology
+
+    check_at_least("--top", args.top, 1)
+    check_at_least("--compile", args.compile, 0)
+    if args.json:
+        check_writable(args.json, "--json")
+    topology = load_topology(args.topology)
+    if args.compile and topology.platform != "tpu":
+        _simulate_cpu_devices(topology.num_chips)
+    from jaxpar import planner
+
+    plans = planner.plan(args.model, topology, args.batch_size, args.seq_len, top=max(args.top, args.compile))
+    compiled = None
+    if args.compile:
+        from jaxpar.aot import compile_plans
+
+        compiled = compile_plans(plans, args.compile)
+    print(planner.format_plans(plans, compiled))
+    if args.json:
+        write_json_atomically(args.json, planner.as_json(plans, compiled))
+    return EXIT_OK
+
+
 def _generate_parser(sub, chosen: str | None):  # no config class: its options are its own
     p = sub.add_parser("generate", help="continue text from a checkpoint of jaxpar train: a Llama token by token (KV cache), "
                                         "a block diffusion model (bd3lm-*) block by block")
@@ -598,13 +638,13 @@ def _parser(chosen: str | None) -> argparse.ArgumentParser:
         epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command")
-    for add in (_train_parser, _bench_parser, _compile_parser, _launch_parser, _checkpoints_parser, _check_parser,
+    for add in (_train_parser, _bench_parser, _compile_parser, _plan_parser, _launch_parser, _checkpoints_parser, _check_parser,
                 _generate_parser, _affinity_parser):
         add(sub, chosen)
     return parser
 
 
-COMMANDS = {"train": _train, "bench": _bench, "compile": _compile, "launch": _launch, "checkpoints": _checkpoints,
+COMMANDS = {"train": _train, "bench": _bench, "compile": _compile, "plan": _plan, "launch": _launch, "checkpoints": _checkpoints,
             "check": _check, "generate": _generate, "affinity": _affinity}
 
 
