@@ -1,0 +1,172 @@
+"""jaxpar plan (jaxpar/planner/): the pruned search finds the exhaustive best, predictions agree
+with the compiler's figures, uneven splits across device groups follow the groups' speeds, and bad
+input is refused in words before any search."""
+import json
+
+import pytest
+
+from jaxpar import aot, cli, planner
+from jaxpar.errors import JaxparError, TopologyError, size_text
+from jaxpar.models import CONFIGS
+from jaxpar.models.llama import LlamaConfig
+from jaxpar.planner import hetero
+from jaxpar.planner.pricing import Pricer
+from jaxpar.topology import load_topology
+
+# Two groups of 4 chips alike but for their speed: FLOP/s and HBM bandwidth in the ratio FAST:SLOW
+GROUP = """
+[[groups]]
+name = "{name}"
+chip = "{chip}"
+num_chips = {chips}
+ici_shape = [{chips}]
+dcn_shape = [1]
+peak_bf16_tflops = {tflops}
+hbm_gib = {hbm}
+hbm_bandwidth_gbps = {hbm_bw}
+ici_links_per_chip = 4
+ici_bandwidth_gbps = {link}
+dcn_bandwidth_gbps = {link}
+"""
+
+
+def two_groups(tmp_path, fast=2.0, slow=1.0, link=1000.0, hbm=(80, 80), name="pair", chips=(2, 2)):
+    """A heterogeneous topology file of a fast and a slow group (links fast enough not to matter)."""
+    text = f'name = "{name}"\nplatform = "gpu"\nnum_chips = {sum(chips)}\ngroup_bandwidth_gbps = {link}\n'
+    text += GROUP.format(name="fast", chip="nvidia-h100-sxm", chips=chips[0], tflops=400 * fast, hbm=hbm[0], hbm_bw=1000 * fast,
+                         link=link)
+    text += GROUP.format(name="slow", chip="nvidia-h100-sxm", chips=chips[1], tflops=400 * slow, hbm=hbm[1], hbm_bw=1000 * slow,
+                         link=link)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return load_topology(path)
+
+
+# --- the search ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model, topology, batch, seq_len", [
+    ("tiny", "v5p-8", 16, 128),
+    ("moe-tiny", "v5e-8", 16, 128),
+    ("llama-1b", "v5p-16", 32, 1024),
+])
+def test_pruned_search_finds_the_exhaustive_best(model, topology, batch, seq_len):
+    problem = planner.problem_for(model, load_topology(topology), batch, seq_len)
+    pruned, every = planner.search(problem), planner.exhaustive(problem)
+    fitting = [r for r in every if r.fits]
+    assert len(pruned) < len(every)  # it did prune
+    assert pruned[0].candidate == fitting[0].candidate
+    assert pruned[0].step_s == pytest.approx(fitting[0].step_s, rel=1e-12)
+
+
+def test_pruned_search_finds_the_exhaustive_best_across_groups(tmp_path):
+    problem = planner.problem_for("tiny", two_groups(tmp_path), 16, 128)
+    pruned, every = planner.search(problem), [r for r in planner.exhaustive(problem) if r.fits]
+    assert pruned[0].split is not None
+    assert (pruned[0].candidate, pruned[0].split) == (every[0].candidate, every[0].split)
+
+
+# --- heterogeneous splits -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fast, slow", [(2.0, 1.0), (3.0, 1.0)])
+def test_uneven_split_follows_the_speeds(tmp_path, fast, slow):
+    # a compute-bound model: each group's step is its share of the work over its speed, so the fast
+    # group should take fast / (fast + slow) of it and the plan beat the even split by
+    # (fast + slow) / (2 slow): the slow group no longer does half
+    topology = two_groups(tmp_path, fast, slow)
+    plans = planner.plan("llama-1b", topology, 24, 2048, top=1)
+    best = plans.best
+    assert best.split is not None and best.split.groups == ("fast", "slow")
+    share = best.split.shares[0] / sum(best.split.shares)
+    unit = hetero.split_unit(best.candidate, best.split.kind, 2) / sum(best.split.shares)
+    assert share == pytest.approx(fast / (fast + slow), abs=unit + 0.02)
+    even = hetero.even(Pricer(plans.problem), best.candidate, best.split.kind)
+    assert even.step_s / best.step_s == pytest.approx((fast + slow) / (2 * slow), rel=0.1)
+    # and a planner that sees one kind of chip runs the even split
+    assert plans.heterogeneous_gain == pytest.approx((fast + slow) / (2 * slow), rel=0.1)
+
+
+def test_one_kind_topology_is_one_group():
+    t = load_topology("gpu-h100-64")
+    (group,) = t.device_groups
+    assert (group.num_chips, group.peak_bf16_flops, group.hbm_bytes) == (t.num_chips, t.peak_bf16_flops, t.hbm_bytes)
+    assert not t.is_heterogeneous
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+def test_unknown_model_is_refused_with_the_known_ones():
+    with pytest.raises(JaxparError, match="unknown model 'llama-9z'.*tiny"):
+        planner.plan("llama-9z", load_topology("v5p-8"), 16, 128)
+
+
+def test_cluster_too_small_for_the_model_is_refused():
+    cfg = CONFIGS["llama2-70b"]
+    with pytest.raises(JaxparError, match="no layout fits") as err:
+        planner.plan("llama2-70b", load_topology("v5p-8"), 16, 128)
+    needed = 16 * cfg.num_params()  # float32 weights and gradients, two Adam moments
+    assert f"{-(-needed // load_topology('v5p-8').hbm_bytes)} chips" in str(err.value)
+
+
+def test_group_that_cannot_hold_a_stage_says_what_it_lacks(tmp_path):
+    topology = two_groups(tmp_path, hbm=(80, 0.25), chips=(2, 1))
+    cfg = CONFIGS["llama2-7b"]
+    per_layer = 16 * (cfg.num_params() - 2 * cfg.vocab_size * cfg.embed) / cfg.layers
+    lacks = per_layer - 0.25 * 2**30
+    with pytest.raises(JaxparError, match=r"group 'slow'.*cannot hold one layer.*lacks (\S+ \S+)") as err:
+        planner.plan("llama2-7b", topology, 16, 128)
+    assert f"lacks {size_text(lacks)}" in str(err.value)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (("peak_bf16_tflops = 400.0", "peak_bf16_tflops = -400.0"), "'peak_bf16_tflops' must be positive"),
+    (("num_chips = 2\nici_shape = [2]", "num_chips = 2\nici_shape = [3]"), "'num_chips' is 2 but prod"),
+    (("num_chips = 4\n", "num_chips = 5\n"), "the groups hold 4 chips"),
+    (('name = "slow"', 'name = "fast"'), "repeat"),
+    (("hbm_gib = 80\n", "hbm_gb = 80\n"), "unknown key 'hbm_gb'"),
+])
+def test_group_with_nonsensical_figures_is_refused(tmp_path, edit, words):
+    two_groups(tmp_path, fast=1.0)
+    path = tmp_path / "pair.toml"
+    text = path.read_text()
+    assert edit[0] in text
+    path.write_text(text.replace(edit[0], edit[1], 1) if edit[0] != 'name = "slow"' else text.replace(*edit))
+    with pytest.raises(TopologyError, match=words):
+        load_topology(path)
+
+
+# --- the command --------------------------------------------------------------------------------
+
+def test_plan_command_prints_ranked_plans_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plans.json"
+    status = cli.main(["plan", "--model", "tiny", "--topology", "v5p-8", "--batch-size", "16", "--seq-len", "128",
+                       "--top", "3", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert status == 0 and " 1. " in printed and "loses:" in printed
+    saved = json.loads(out.read_text())
+    assert len(saved["plans"]) == 3 and saved["plans"][0]["loses"] is None
+    steps = [p["step_s"] for p in saved["plans"]]
+    assert steps == sorted(steps)
+
+
+def test_plan_command_refuses_an_unknown_model_in_words(capsys):
+    assert cli.main(["plan", "--model", "nope", "--topology", "v5p-8"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+# --- predictions against the compiler ---------------------------------------------------------------
+
+DENSE = LlamaConfig(vocab_size=32000, embed=1024, layers=8, heads=16, kv_heads=8, head_dim=64, mlp=2816)
+WIDE = LlamaConfig(vocab_size=32000, embed=2048, layers=4, heads=16, kv_heads=4, head_dim=128, mlp=5632)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("pod", ["v5p-8", "v5e-8"])
+def test_predicted_memory_and_traffic_agree_with_the_compiler(pod):
+    pytest.importorskip("libtpu", reason="pip install -e .[tpu] brings the TPU compiler")
+    for model in (DENSE, WIDE, "llama-1b"):
+        plans = planner.plan(model, load_topology(pod), 16, 512, top=1)
+        (row,) = aot.compile_plans(plans, 1)
+        assert row["compiler"] == "tpu"
+        assert row["predicted_memory"] == pytest.approx(row["compiled_memory"], rel=0.10), row
+        assert row["predicted_traffic"] == pytest.approx(row["compiled_traffic"], rel=0.05), row
