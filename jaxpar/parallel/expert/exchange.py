@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import experts
+from jaxpar.rules import vary_over, varying_axes
 
 EXCHANGE = "expert_exchange"  # the role: mesh axes the experts are split over (Layout.role)
 RAGGED = "expert_ragged"  # role present: the ragged exchange whatever the backend
@@ -100,7 +101,9 @@ def _padded_back(outputs, place, devices, axes, slot):
 
 def _ragged_out(copies, sends, starts, received, axes, slot):
     devices = received.shape[0]
-    inbox = jnp.zeros((devices * slot, copies.shape[1]), copies.dtype)
+    # the buffers the copies land in are typed as varying as what lands in them: else the backward
+    # pass sums their (discarded) cotangents over every device, whole buffers at a time
+    inbox = vary_over(jnp.zeros((devices * slot, copies.shape[1]), copies.dtype), varying_axes(copies))
     landing = jnp.full((devices,), _index(axes) * slot, jnp.int32)  # slot s of every receiver is source s's
     return jax.lax.ragged_all_to_all(copies, inbox, starts.astype(jnp.int32), sends.astype(jnp.int32), landing,
                                      jnp.sum(received, axis=1).astype(jnp.int32), axis_name=axes)
@@ -109,7 +112,7 @@ def _ragged_out(copies, sends, starts, received, axes, slot):
 def _ragged_back(outputs, sends, starts, received, axes, slot, copies: int):
     devices = received.shape[0]
     their_starts = jax.lax.all_to_all(starts.reshape(devices, 1), axes, 0, 0, tiled=True).reshape(devices)
-    home = jnp.zeros((copies, outputs.shape[1]), outputs.dtype)
+    home = vary_over(jnp.zeros((copies, outputs.shape[1]), outputs.dtype), varying_axes(outputs))
     return jax.lax.ragged_all_to_all(outputs, home, (jnp.arange(devices) * slot).astype(jnp.int32),
                                      jnp.sum(received, axis=1).astype(jnp.int32), their_starts.astype(jnp.int32),
                                      sends.astype(jnp.int32), axis_name=axes)
