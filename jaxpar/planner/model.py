@@ -17,7 +17,6 @@ import types
 import warnings
 
 from jaxpar import models
-from jaxpar.errors import JaxparError
 from jaxpar.parallel import build_layout
 from jaxpar.rules import logical_names
 from jaxpar.train.config import TrainConfig
@@ -98,8 +97,5 @@ def model_config(model):
     """The config of ``model`` (a name in ``jaxpar.models.CONFIGS`` or a config), refused in words."""
     if isinstance(model, str):
         return models.model_config(model)
-    try:
-        models.family_of(model)
-    except JaxparError:
-        raise
+    models.family_of(model)  # refuses a config of no registered family
     return model
