@@ -14,7 +14,7 @@ import os
 
 import jax
 
-from jaxpar.analysis import hlo, memory, roofline
+from jaxpar.analysis import hlo, memory, roofline, traffic
 from jaxpar.attention import check_platform
 from jaxpar.errors import JaxparError, JobFailed
 from jaxpar.mesh import dcn_misplaced, split_ici_dcn
@@ -142,6 +142,8 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
         "seq_len": seq_len,
         "memory_per_chip": _memory_per_chip(compiled.memory_analysis(), topology, trainer, strategy),
         "collectives": by_link,
+        # by kind against the strategies' formulas (a ragged all-to-all: the buffers that bound it)
+        "communication": traffic.compare(compiled.as_text(), trainer, strategy, (batch_size, model_length), model_cfg),
         "float32_gradient_reduction": _float32_gradient_cost(cols, trainer) if train_cfg.grad_reduce_dtype == "float32" else None,
         "compiler_cost_analysis": {k: cost.get(k) for k in ("flops", "bytes accessed", "optimal_seconds")},
         "model_flops_per_step": model_flops,
@@ -321,6 +323,8 @@ def format_report(report: dict) -> str:
     lines += ["", "collectives per step (bytes per chip)"]
     for name, row in sorted(report["collectives"].items(), key=lambda kv: -kv[1]["bytes_per_chip"]):
         lines.append(f"  {name:44s} x{row['count']:<6d} {gib(row['bytes_per_chip'])}")
+    lines.append("  by kind against the analytic optimum: " + ", ".join(
+        f"{kind} {row['ratio']:.3f}" for kind, row in report["communication"].items() if "ratio" in row and row["optimal_bytes"]))
     if report["float32_gradient_reduction"]:
         f32 = report["float32_gradient_reduction"]
         memory_saved = (f" and hold {gib(f32['bfloat16_saves_memory']).strip()} less at the end of the backward pass (the layers' "

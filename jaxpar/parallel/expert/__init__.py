@@ -17,10 +17,11 @@ every other weight is, with the batch axes (one all-reduce over ``data`` x ``exp
 Traffic per MoE layer and device, with T tokens on a device, k experts per token, P devices and the
 slots of S rows (``exchange.slot_rows``) of embed width h in the compute dtype: the padded twin sends
 (P-1) x S x h forward and as much back, and the same again in the backward pass (four all-to-alls),
-plus the counts once (P-1 x E/P int32); the ragged exchange sends only the copies that leave the
-device, (P-1)/P x T x k of them for even routing, each way, plus the counts and the segments'
-starts. The balance loss adds one all-reduce of 2E float32 per layer over the devices the tokens
-are split over.
+plus the counts once (P-1 x E/P int32). The ragged exchange puts only the copies that leave the
+device on the wire, (P-1)/P x T x k of them for even routing, each way (``wire_bytes``); its compiled
+program is bounded by the buffers it sends from, T x k rows out and P x S back (``layer_bytes``).
+The balance loss adds one all-reduce of 2E float32 per layer over the devices the tokens are split
+over.
 """
 
 import math
@@ -81,46 +82,56 @@ def traffic(strategy, ctx) -> dict:
     if model is None or not getattr(model, "experts", None):
         return out
     rows = ctx.batch // ctx.batch_shards // ctx.microbatches
-    per_layer = layer_bytes(layout, model, rows, ctx.held_length, ctx.compute_bytes, ragged=exchange.runs_ragged(layout),
-                            row_length=ctx.length)
+    forward, backward = layer_bytes(layout, model, rows, ctx.held_length, ctx.compute_bytes, exchange.runs_ragged(layout), ctx.length)
     forwards = 1 + (ctx.remat != "none")  # recomputation runs the forward's exchanges again
-    out[("all-to-all", "expert")] = ctx.microbatches * model.layers * per_layer * (forwards + 1) / 2
+    for kind in forward:
+        out[(kind, "expert")] = ctx.microbatches * model.layers * (forwards * forward[kind] + backward.get(kind, 0.0))
     if model.balance_weight:  # each layer's balance sums (copies and probabilities per expert, float32) over all tokens
         tokens = math.prod(ctx.mesh.values()) // ctx.mesh.get("stage", 1)
         out[("all-reduce", "expert")] += ctx.microbatches * model.layers * forwards * data.grad_allreduce_bytes(2 * model.experts * 4, tokens)
     return out
 
 
-def layer_bytes(layout, model, rows: int, length: int, compute_bytes: int, ragged: bool, row_length: int | None = None) -> float:
-    """All-to-all bytes one device sends per MoE layer, forward and backward (the exchange and
-    its reverse each way), for ``rows`` x ``length`` tokens on the device (of rows of
-    ``row_length``, default ``length``: the capacity is per whole row); the ragged exchange at
-    even routing."""
+def layer_bytes(layout, model, rows: int, length: int, compute_bytes: int, ragged: bool, row_length: int | None = None):
+    """({collective kind: bytes}, {...}) one device sends per MoE layer in the forward pass (the
+    exchange and its reverse, and the counts) and in the backward pass (their transposes), for
+    ``rows`` x ``length`` tokens on the device, of rows of ``row_length`` (default ``length``: the
+    capacity is per whole row). A ragged exchange is counted as its compiled program bounds it:
+    the whole buffer it sends from, the copies (T x k rows) out and the slots (P x S) back; what
+    it puts on the wire depends on the routing (``wire_bytes``)."""
     devices = math.prod(layout.mesh.shape[a] for a in layout.role(EXCHANGE))
     local = model.experts // devices
     tokens = rows * length
-    capacity = model.routing.capacity(row_length or length)
-    if ragged:
-        moved = (devices - 1) / devices * tokens * model.top_k
-    else:
-        moved = (devices - 1) * exchange.slot_rows(tokens, model.top_k, local, rows, capacity)
-    counts = (devices - 1) * local * 4  # int32 per source and expert, forward only
-    if ragged:
-        counts += (devices - 1) * 4  # and where each segment starts in its sender's copies
-    return 2 * 2 * (moved * model.embed * compute_bytes) + counts
+    slot = exchange.slot_rows(tokens, model.top_k, local, rows, model.routing.capacity(row_length or length))
+    row = model.embed * compute_bytes
+    counts = (devices - 1) * local * 4  # int32 per source and expert
+    if not ragged:
+        moved = 2 * (devices - 1) * slot * row
+        return {"all-to-all": moved + counts}, {"all-to-all": moved}
+    moved = (tokens * model.top_k + devices * slot) * row * (devices - 1) / devices
+    return {"ragged-all-to-all": moved, "all-to-all": counts + (devices - 1) * 4}, {"ragged-all-to-all": moved}
+
+
+def wire_bytes(layout, model, rows: int, length: int, compute_bytes: int) -> float:
+    """Bytes a ragged exchange puts on the wire per MoE layer and device, forward and backward, at
+    even routing: (P-1)/P of the device's T x k copies each way."""
+    devices = math.prod(layout.mesh.shape[a] for a in layout.role(EXCHANGE))
+    return 4 * (devices - 1) / devices * rows * length * model.top_k * model.embed * compute_bytes
 
 
 def report(layout, measured, cfg) -> dict | None:
-    """The exchange's all-to-all bytes per MoE layer and device, measured on the compiled step
-    against the formula (``traffic``: over the step's micro-batches and recomputation)."""
+    """The exchange's bytes per MoE layer and device (its all-to-alls, ragged or not), measured
+    on the compiled step against the formula (``traffic``: over the step's micro-batches and
+    recomputation)."""
     axes = layout.role(EXCHANGE)
     if not axes or not getattr(cfg, "experts", None):
         return None
     devices = math.prod(layout.mesh.shape[a] for a in axes)
-    moved = sum(c.bytes_per_step for c in measured.collectives if c.kind == "all-to-all" and c.mesh_axes == axes)
+    kinds = ("all-to-all", "ragged-all-to-all")
+    moved = sum(c.bytes_per_step for c in measured.collectives if c.kind in kinds and c.mesh_axes == axes)
     return {"exchange": "ragged" if exchange.runs_ragged(layout) else "padded", "devices": devices,
             "experts_per_device": cfg.experts // devices, "measured_bytes_per_layer": moved / cfg.layers,
-            "formula_bytes_per_layer": measured.optimum.get(("all-to-all", "expert"), 0.0) / cfg.layers}
+            "formula_bytes_per_layer": sum(measured.optimum.get((kind, "expert"), 0.0) for kind in kinds) / cfg.layers}
 
 
 def summary(section: dict) -> list[str]:
