@@ -211,3 +211,11 @@ def test_mixtral_8x7b_compiles_for_256_v5p_chips_with_the_ragged_exchange():
     print(f"\nmixtral-8x7b v5p-512 fsdp=32,expert=8: peak {memory['peak'] / 1e9:.3f} GB, collectives "
           f"{sum(r['bytes_per_chip'] for r in report['collectives'].values()) / 1e9:.2f} GB per chip")
     _assert_traffic_is_the_formulas(report, ("ragged-all-to-all", "all-to-all", "all-gather", "reduce-scatter", "all-reduce"))
+
+
+def test_shared_experts_and_sigmoid_group_limited_routing_under_expert_tensor_parallelism(tokens):  # noqa: F811
+    # DeepSeek's kind of layer: a shared expert every token goes through (its width over tensor, as
+    # a dense MLP's), sigmoid scores, the top 2 from the best 2 of 4 groups
+    cfg = dataclasses.replace(TINY, shared_experts=1, score="sigmoid", groups=4, top_groups=2)
+    model_fn = lambda rngs: moe.MoE(cfg, rngs=rngs)  # noqa: E731
+    assert_same(sharded("expert=2,tensor=2,fsdp=2", model_fn, moe.loss_fn, batches(tokens)), oracle(model_fn, moe.loss_fn, batches(tokens)))

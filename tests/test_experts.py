@@ -93,3 +93,45 @@ def test_load_balancing_loss_equals_its_formula():
 def test_a_top_k_above_the_experts_is_refused_in_words():
     with pytest.raises(JaxparError, match=r"top_k=5 must be between 1 and the number of experts \(4\)"):
         moe.Routing(4, 5)
+
+
+def loop_sigmoid_group_limited(x, router, gate, up, down, groups, top_groups, bias):
+    """DeepSeek-V3's routing, token by token in numpy: sigmoid scores; a group is worth its best two
+    scores (with the bias); the top_k experts (by score + bias) come from the top_groups best groups;
+    the weights are the chosen experts' scores (without the bias), normalised."""
+    x, router, gate, up, down, bias = (np.asarray(a, np.float64) for a in (x, router, gate, up, down, bias))
+    scores = 1 / (1 + np.exp(-(x @ router)))
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        choice = (scores[t] + bias).reshape(groups, -1)
+        worth = np.sort(choice, axis=1)[:, -2:].sum(axis=1)
+        kept_groups = np.argsort(-worth, kind="stable")[:top_groups]
+        allowed = np.full(choice.shape, -np.inf)
+        allowed[kept_groups] = choice[kept_groups]
+        top = np.argsort(-allowed.reshape(-1), kind="stable")[:TOP_K]
+        weights = scores[t, top] / scores[t, top].sum()
+        for w, e in zip(weights, top):
+            out[t] += w * ((silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
+    return out
+
+
+def test_sigmoid_group_limited_routing_with_a_bias_equals_its_loop():
+    args = weights(seed=3)
+    bias = jnp.array([0.3, -0.2, 0.0, 0.1])  # steers the choice, not the weights
+    routing = moe.Routing(EXPERTS, TOP_K, score="sigmoid", groups=2, top_groups=1)
+    got = moe.mixture(args[0][None], *args[1:], routing, bias)[0][0]
+    np.testing.assert_allclose(got, loop_sigmoid_group_limited(*args, 2, 1, bias), rtol=1e-5, atol=1e-5)
+    _, chosen, _ = moe.route(args[0] @ args[1], routing, bias)
+    assert (chosen // 2 == chosen[:, :1] // 2).all()  # both of a token's experts from its one kept group
+
+
+def test_routings_that_cannot_work_are_refused_in_words():
+    with pytest.raises(JaxparError, match=r"groups dividing the 4 experts.*got groups=3"):
+        moe.Routing(4, 2, groups=3)
+    with pytest.raises(JaxparError, match=r"top_groups=1 groups of 1 experts hold fewer than top_k=2.*at least 2"):
+        moe.Routing(4, 2, groups=4, top_groups=1)
+    with pytest.raises(JaxparError, match=r"router score 'relu' is not one of softmax, sigmoid"):
+        moe.Routing(4, 2, score="relu")
+    with pytest.raises(JaxparError, match=r"capacity_factor=0 must be positive"):
+        moe.Routing(4, 2, capacity_factor=0)
