@@ -234,3 +234,17 @@ def test_decode_latency_is_weight_streaming_plus_the_all_reduces_tp_waits_on():
     assert dtp < 0.7 * tp  # at this latency DTP hides most of what TP waits on
     # with nothing to wait on, the two are the same
     assert roofline.decode_latency(cfg, topology, 1, 1024, True, latency) == roofline.decode_latency(cfg, topology, 1, 1024, False, latency)
+
+
+def test_a_mixture_of_experts_is_priced_by_the_weights_a_token_runs_through():
+    """Mixtral's roofline counts the matmuls of each token's top-2 experts (its FLOPs per token), not
+    all 8 experts' weights: 3.6x fewer."""
+    from jaxpar.models import moe
+
+    cfg, batch, seq = moe.CONFIGS["mixtral-8x7b"], 256, 4096
+    topology = load_topology("v5p-512")
+    state = dict.fromkeys(memory.BYTES_PER_PARAM, 1e9)
+    est = roofline.estimate_step(cfg, batch, seq, fsdp_rows(cfg.num_params() / 8, 32), topology, 256, state_bytes=state,
+                                 batch_axes=("fsdp", "expert"))
+    assert est.full_attention_flops == pytest.approx(cfg.flops_per_token(seq) * batch * seq, rel=1e-12)
+    assert cfg.num_params() / cfg.active_params() == pytest.approx(3.6, abs=0.05)

@@ -265,18 +265,19 @@ def estimate_step(
 
 
 def _matmul_weights(cfg: LlamaConfig) -> int:
-    """Weights that enter matmuls (as ``LlamaConfig.flops_per_token`` counts them): all but the
-    embedding table's lookup and the norms."""
+    """Weights that enter a token's matmuls (as ``LlamaConfig.flops_per_token`` counts them): the
+    active ones (a mixture of experts: its top-k experts') but the embedding table's lookup and
+    the norms."""
     lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed
-    return cfg.num_params() - lookup - (2 * cfg.layers + 1) * cfg.embed
+    return cfg.active_params() - lookup - (2 * cfg.layers + 1) * cfg.embed
 
 
 def _edge_fraction(cfg: LlamaConfig) -> float:
     """The share of the weights gathered before the first layer runs (the top-level weights and the
     first layer's), which is also the share reduced after the last backward layer."""
-    e, m = cfg.embed, cfg.mlp
-    per_layer = 2 * e + 2 * e * cfg.heads * cfg.head_dim + 2 * e * cfg.kv_heads * cfg.head_dim + 3 * e * m
-    return (cfg.num_params() - (cfg.layers - 1) * per_layer) / cfg.num_params()
+    top_level = cfg.vocab_size * cfg.embed * (1 if cfg.tie_embeddings else 2) + cfg.embed
+    per_layer = (cfg.num_params() - top_level) / cfg.layers
+    return (top_level + per_layer) / cfg.num_params()
 
 
 def _hbm_bytes(cfg: LlamaConfig, tokens_per_chip: float, tensor: int, seq_len: int, rerun: float, flash: bool,
@@ -286,7 +287,7 @@ def _hbm_bytes(cfg: LlamaConfig, tokens_per_chip: float, tensor: int, seq_len: i
     Counted as unfused passes (each op reads its inputs and writes its output once per forward,
     backward and rerun forward pass): XLA fuses some of them, which the calibrated efficiency
     absorbs. Work over ``embed`` (norms, residual adds) is replicated over ``tensor``."""
-    e, h, k, d, m, n = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp, cfg.layers
+    e, h, k, d, m, n = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.active_mlp(), cfg.layers
     replicated = tokens_per_chip * tensor
     # K and V stream past every query block of a flash kernel (causal: half the blocks); Q, O and
     # their gradients pass once
@@ -328,7 +329,7 @@ class PublishedRun:
 def _rerunning(cfg: LlamaConfig, *, out_proj: bool) -> float:
     """``recompute`` of a remat policy that runs the forward of the MLP's gate and up projections
     again (and, with ``out_proj``, attention's output projection)."""
-    per_layer = 2 * cfg.embed * cfg.mlp + (cfg.heads * cfg.head_dim * cfg.embed if out_proj else 0)
+    per_layer = 2 * cfg.embed * cfg.active_mlp() + (cfg.heads * cfg.head_dim * cfg.embed if out_proj else 0)
     return 1 + cfg.layers * per_layer / (3 * _matmul_weights(cfg))
 
 

@@ -42,6 +42,14 @@ class LlamaConfig:
         embeddings = self.vocab_size * e * (1 if self.tie_embeddings else 2)
         return self.layers * per_layer + embeddings + e
 
+    def active_params(self) -> int:
+        """Weights one token's pass reads (all of a dense model's; a mixture of experts' fewer)."""
+        return self.num_params()
+
+    def active_mlp(self) -> int:
+        """The MLP hidden width one token runs through (a mixture of experts: its experts' and shared ones')."""
+        return self.mlp
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per weight in matmuls plus attention scores (forward x3)."""
         matmul_weights = self.num_params() - self.vocab_size * self.embed * (0 if self.tie_embeddings else 1)

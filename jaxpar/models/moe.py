@@ -69,6 +69,9 @@ class MoEConfig(LlamaConfig):
         idle = self.layers * 3 * self.embed * self.mlp * (self.experts - self.top_k)
         return self.num_params() - idle
 
+    def active_mlp(self) -> int:
+        return self.mlp * (self.top_k + self.shared_experts)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: the active weights' matmuls (6 each) and attention's scores."""
         active_mlp = self.layers * (self.embed * self.experts + 3 * self.embed * self.mlp * (self.top_k + self.shared_experts))

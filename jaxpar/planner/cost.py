@@ -9,7 +9,7 @@
   working set and the float32 logits. The compiled program's code is not counted.
 - **Time**: the roofline (``jaxpar.analysis.roofline.estimate_step``: matmuls at the chip's
   efficiency, attention, HBM-bound parts, collectives split into overlapped and exposed) on the
-  model's active weights (a mixture of experts runs top_k of its experts per token), plus a latency
+  model's active weights (``roofline``: a mixture of experts runs top_k of its experts per token), plus a latency
   (alpha) per collective message on each link tier and, for a pipeline, the schedule's bubble.
 """
 
@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from jaxpar.analysis import memory as memory_lib
 from jaxpar.analysis import roofline
 from jaxpar.analysis.traffic import traffic_context
-from jaxpar.models.llama import LlamaConfig
 from jaxpar.parallel import STRATEGIES
 from jaxpar.parallel.tensor import activation_passes
 
@@ -33,16 +32,6 @@ from jaxpar.parallel.tensor import activation_passes
 ALPHA_S = {"ici": 5e-6, "dcn": 25e-6}
 # Collectives on every layer's critical path (their latency is never hidden)
 ACTIVATION_AXES = ("tensor", "context", "context_a2a", "expert")
-
-
-def active_config(cfg) -> LlamaConfig:
-    """A dense Llama doing the matmuls ``cfg`` does per token: a mixture of experts' top_k and shared
-    experts as one MLP (the router's matmul folded into its width), for the roofline's FLOPs."""
-    experts = getattr(cfg, "experts", None)
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(LlamaConfig)}
-    if experts:
-        fields["mlp"] = (cfg.top_k + cfg.shared_experts) * cfg.mlp + math.ceil(experts / 3)
-    return LlamaConfig(**fields)
 
 
 def summed_traffic(step, strategy, batch: int, length: int, cfg) -> dict[tuple[str, str], float]:
@@ -104,7 +93,7 @@ def group_time(cfg, rows: int, length: int, traffic: dict, view, chips: int, *, 
     dcn = set(layout.dcn_axes)
     rows_in = [(kind, axis, sent, axis in dcn) for (kind, axis), sent in traffic.items()]
     est = roofline.estimate_step(
-        active_config(cfg), rows, length, rows_in, view, chips, state_bytes=state, batch_axes=layout.batch_axes,
+        cfg, rows, length, rows_in, view, chips, state_bytes=state, batch_axes=layout.batch_axes,
         tensor=layout.mesh.shape["tensor"], recompute=roofline.RECOMPUTE[remat], attention=attention, compute_dtype=compute_dtype)
     layers_here = cfg.layers // layout.mesh.shape["stage"]
     exposed_alpha, hidden_alpha = latency_seconds(traffic, dcn, layers_here, microbatches, remat)
