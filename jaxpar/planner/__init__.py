@@ -17,12 +17,12 @@ import time
 
 from jaxpar.errors import JaxparError, size_text
 from jaxpar.models import family_of
-from jaxpar.planner import hetero, space
+from jaxpar.planner import hetero, placement, space
 from jaxpar.planner.model import model_config
 from jaxpar.planner.pricing import Priced, Pricer, Problem, candidates
 from jaxpar.planner.search import exhaustive, search
 
-__all__ = ["Plans", "Priced", "Problem", "candidates", "exhaustive", "plan", "problem_for", "search", "space", "why_it_loses"]
+__all__ = ["Plans", "Priced", "Problem", "candidates", "exhaustive", "plan", "problem_for", "placement", "search", "space", "why_it_loses"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,8 @@ class Plans:
     seconds: float  # the search's wall time
     priced: int  # candidates priced
     one_kind: Priced | None = None  # heterogeneous only: the best plan of a planner that sees one kind of chip, priced truly
+    placements: dict = dataclasses.field(default_factory=dict)  # HeterMoE: attention group's name -> its best placement
+    placement_refused: str | None = None  # why no HeterMoE placement is offered
 
     @property
     def best(self) -> Priced:
@@ -81,14 +83,17 @@ def plan(model, topology, batch_size: int, seq_len: int, *, top: int = 5, exhaus
     start = time.perf_counter()
     pricer = Pricer(problem)
     ranked = (exhaustive if exhaustive_search else search)(problem, pricer)
-    ranked = [r for r in ranked if r.fits]
+    refused = placement.refusal(problem)
+    placements = {} if refused else placement.best(problem)
+    ranked = sorted([r for r in ranked if r.fits] + [r for r in placements.values() if r.fits], key=lambda r: r.rank_key)
     if not ranked:
         raise JaxparError(
             f"no layout of {model if isinstance(model, str) else 'the model'} with batch {batch_size} x {seq_len} fits on "
             f"{topology.name}: every candidate needs more than a chip's {size_text(topology.hbm_bytes)}; use a smaller "
             f"--batch-size or --seq-len, or more chips")
     one_kind = _one_kind_plan(problem) if topology.is_heterogeneous else None
-    return Plans(problem, seq_len, ranked[:top] if top else ranked, time.perf_counter() - start, len(ranked), one_kind)
+    return Plans(problem, seq_len, ranked[:top] if top else ranked, time.perf_counter() - start, len(ranked), one_kind,
+                 placements, refused)
 
 
 def _one_kind_plan(problem: Problem) -> Priced | None:
@@ -98,7 +103,7 @@ def _one_kind_plan(problem: Problem) -> Priced | None:
     blind = search(dataclasses.replace(problem, topology=view))
     pricer = Pricer(problem)
     for choice in blind:
-        kinds = hetero.kinds_for(choice.candidate, len(problem.topology.device_groups))
+        kinds = hetero.kinds_for(choice.candidate, len(problem.topology.device_groups)) or ["batch"]  # spans none: even
         priced = [hetero.even(pricer, choice.candidate, kind) for kind in kinds]
         if priced:
             return min(priced, key=lambda r: r.rank_key)
@@ -141,6 +146,8 @@ def format_plans(plans: Plans, compiled: list[dict] | None = None) -> str:
         lines += ["", f"a planner that sees one kind of chip would run {plans.one_kind.candidate.describe()} "
                       f"[{plans.one_kind.split.describe()}]: {plans.one_kind.step_s:.4f} s; the heterogeneity-aware plan is "
                       f"{plans.heterogeneous_gain:.2f}x faster"]
+    if p.topology.is_heterogeneous:
+        lines += _placement_lines(plans)
     for row in compiled or []:
         lines += ["", f"compiled ({row['compiler']}): {row['plan']}" + (f"  ({row['note']})" if row["note"] else ""),
                   f"  memory  predicted {gib(row['predicted_memory'])}  compiled {gib(row['compiled_memory'])}  "
@@ -148,6 +155,23 @@ def format_plans(plans: Plans, compiled: list[dict] | None = None) -> str:
                   f"  traffic predicted {gib(row['predicted_traffic'])}  compiled {gib(row['compiled_traffic'])}  "
                   f"({_ratio(row['predicted_traffic'], row['compiled_traffic'])})"]
     return "\n".join(lines)
+
+
+def _placement_lines(plans: Plans) -> list[str]:
+    """The HeterMoE placements, each role assignment's best, and why each wins or loses against
+    the best other plan (or why none is offered)."""
+    if plans.placement_refused:
+        return ["", f"HeterMoE placement not offered: {plans.placement_refused}"]
+    if not plans.placements:
+        return ["", "HeterMoE placement not offered: no group's chips divide the experts evenly"]
+    rival = next((r for r in plans.ranked if not isinstance(r.candidate, placement.Placement)), None)
+    lines = ["", "HeterMoE placement (a plan only: jaxpar has no runtime for it), each role assignment's best:"]
+    for placed in sorted(plans.placements.values(), key=lambda r: r.rank_key):
+        lines.append(f"  {placed.split.describe()}, microbatches={placed.candidate.microbatches} remat={placed.candidate.remat}: "
+                     f"step {placed.step_s:.4f} s, {placed.memory_bytes / 2**30:.2f} GiB of {placed.hbm_bytes / 2**30:.2f} GiB "
+                     f"on the fuller group")
+        lines.append(f"    {placement.why(plans.problem, placed, rival)}")
+    return lines
 
 
 def _ratio(predicted: float, compiled: float) -> str:
@@ -170,4 +194,8 @@ def as_json(plans: Plans, compiled: list[dict] | None = None) -> dict:
     return {"model": _model_name(plans.problem.cfg), "topology": plans.problem.topology.name, "batch_size": plans.problem.batch,
             "seq_len": plans.seq_len, "search_seconds": plans.seconds, "plans": rows,
             "one_kind_step_s": plans.one_kind.step_s if plans.one_kind else None,
-            "heterogeneous_gain": plans.heterogeneous_gain, "compiled": compiled or []}
+            "heterogeneous_gain": plans.heterogeneous_gain, "compiled": compiled or [],
+            "hetermoe": {r.split.describe(): {"microbatches": r.candidate.microbatches, "remat": r.candidate.remat,
+                                              "step_s": r.step_s, "fits": r.fits, "memory_bytes": r.memory}
+                         for r in plans.placements.values()},
+            "hetermoe_refused": plans.placement_refused}

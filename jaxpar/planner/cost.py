@@ -113,7 +113,7 @@ def memory(step, strategy, cfg, rows: int, length: int, compute_dtype: str) -> d
     gathered = _gathered_weights(step) * cb if kept else 0.0
     tokens = rows // m * length  # one micro-batch's tokens on this device
     tokens //= math.prod(shape[a] for a in layout.axes_of("length") if a not in layout.batch_axes) or 1
-    layer = _layer_activation_bytes(cfg, tokens, shape["tensor"], cb)
+    layer = layer_activation_bytes(cfg, tokens, shape["tensor"], cb)
     layers = cfg.layers // shape["stage"]
     in_flight = min(m, shape["stage"]) if shape["stage"] > 1 else 1  # a 1F1B stage holds up to `stages` micro-batches
     saved = {"none": layer["kept_by_none"], "dots": layer["matmul_outputs"], "full": layer["input"]}[step.cfg.remat]
@@ -140,7 +140,7 @@ def _gathered_weights(step) -> float:
     return memory_lib.tensor_local_params(step, only_layers=True)
 
 
-def _layer_activation_bytes(cfg, tokens: int, tensor: int, cb: int) -> dict[str, float]:
+def layer_activation_bytes(cfg, tokens: int, tensor: int, cb: int) -> dict[str, float]:
     """One layer's activations per device for ``tokens`` tokens: its input (what full remat saves),
     the matmul outputs (what dots saves) and everything its backward pass reads (what none saves)."""
     e, q, kv = cfg.embed, cfg.heads * cfg.head_dim / tensor, max(1, cfg.kv_heads // tensor) * cfg.head_dim

@@ -1,7 +1,8 @@
 """Plans across device groups of different kinds (a heterogeneous topology).
 
-A candidate whose outermost axis spans the groups (``data`` or ``stage`` a multiple of the number
-of groups, groups of equal size: one mesh over all of them) may give each group its own share:
+Every candidate is one mesh over all the groups' chips. One whose outermost axis spans the groups
+(``data`` or ``stage`` a multiple of the number of groups, groups of equal size) may give each
+group its own share (the others, FSDP over every chip for one, give every chip an equal share):
 
 - ``batch``: each group's data replicas take their own number of sequences (each group's step is
   priced on its own chips at its own speed; the gradient all-reduce crosses the groups' link);
@@ -13,10 +14,8 @@ finds the uneven split that minimises the slowest group's step by water-filling:
 work goes to the group whose step grows least, which is optimal for a maximum of steps that grow
 with their share (``exhaustive_split`` tries every split, for the tests).
 
-A mixture of experts on two groups may also place its modules (HeterMoE's idea): attention,
-embeddings and routers on one group, the experts on the other (``placements``): the tokens cross
-the groups' link to their experts and back on every layer, and micro-batches alternate so that
-each group computes while the other does.
+A mixture of experts on two groups may also place its modules on them (HeterMoE: attention on
+one group, routers and experts on the other): ``placement.py``.
 """
 
 from __future__ import annotations
@@ -158,10 +157,14 @@ def exhaustive_split(pricer: Pricer, candidate: space.Candidate, kind: str) -> P
 
 
 def price_heterogeneous(pricer: Pricer, candidate: space.Candidate, exhaustive: bool = False) -> Priced | None:
-    """``candidate``'s best split over the kinds it can split (None: it spans no groups evenly)."""
+    """``candidate``'s best split over the kinds it can split; a candidate whose outer axes span no
+    groups (FSDP over every chip, say) gives every chip an equal share: the even split of its batch."""
     groups = len(pricer.problem.topology.device_groups)
     splitter = exhaustive_split if exhaustive else best_split
-    plans = [r for kind in kinds_for(candidate, groups) if (r := splitter(pricer, candidate, kind)) is not None]
+    kinds = kinds_for(candidate, groups)
+    if not kinds:
+        return even(pricer, candidate, "batch") if pricer.problem.batch % groups == 0 else None
+    plans = [r for kind in kinds if (r := splitter(pricer, candidate, kind)) is not None]
     return min(plans, key=lambda r: r.rank_key) if plans else None
 
 

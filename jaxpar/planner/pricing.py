@@ -128,8 +128,7 @@ class Pricer:
 def candidates(problem: Problem):
     """Every candidate ``space.py`` lists for the problem (divisibility and symmetry pruned)."""
     t = problem.topology
-    groups = len(t.device_groups) if t.is_heterogeneous else 1
-    for degrees in space.degree_choices(problem.cfg, t.num_chips, t.chips_per_slice, problem.batch, problem.seq_len, groups):
+    for degrees in space.degree_choices(problem.cfg, t.num_chips, t.chips_per_slice, problem.batch, problem.seq_len):
         for c in space.options_for(degrees, problem.batch):
             if problem.only_remat in (None, c.remat) and problem.only_microbatches in (None, c.microbatches):
                 yield c

@@ -64,9 +64,10 @@ def factorizations(n: int, parts: int):
             yield (d, *rest)
 
 
-def degree_choices(cfg, chips: int, chips_per_node: int, batch: int, seq_len: int, groups: int = 1):
-    """Degrees for ``cfg`` on ``chips``: divisibility and dominance pruned (the module doc). With
-    several device groups, the outermost axis (stage or data) must span them."""
+def degree_choices(cfg, chips: int, chips_per_node: int, batch: int, seq_len: int):
+    """Degrees for ``cfg`` on ``chips``: divisibility and dominance pruned (the module doc). On
+    several device groups every choice is listed: one whose outermost axis (stage or data) spans
+    them may split the work unevenly (``hetero.py``), the others run an equal share on every chip."""
     experts = getattr(cfg, "experts", None)
     for degrees in factorizations(chips, len(SEARCHED_AXES)):
         d = dict(zip(SEARCHED_AXES, degrees))
@@ -79,8 +80,6 @@ def degree_choices(cfg, chips: int, chips_per_node: int, batch: int, seq_len: in
         if d["context"] > 1 and (seq_len % d["context"] or seq_len // d["context"] < MIN_CONTEXT_CHUNK):
             continue
         if batch % (d["data"] * d["fsdp"] * d["expert"]):
-            continue
-        if groups > 1 and d["stage"] % groups and d["data"] % groups:
             continue
         yield degrees
 
