@@ -1,16 +1,18 @@
 """jaxpar plan (jaxpar/planner/): the pruned search finds the exhaustive best, predictions agree
 with the compiler's figures, uneven splits across device groups follow the groups' speeds, and bad
 input is refused in words before any search."""
+import dataclasses
 import json
 
 import pytest
 
 from jaxpar import aot, cli, planner
+from jaxpar.analysis import roofline
 from jaxpar.errors import JaxparError, TopologyError, size_text
 from jaxpar.models import CONFIGS
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoEConfig
-from jaxpar.planner import hetero
+from jaxpar.planner import cost, hetero, placement
 from jaxpar.planner.pricing import Pricer
 from jaxpar.topology import load_topology
 
@@ -31,13 +33,15 @@ dcn_bandwidth_gbps = {link}
 """
 
 
-def two_groups(tmp_path, fast=2.0, slow=1.0, link=1000.0, hbm=(80, 80), name="pair", chips=(2, 2)):
-    """A heterogeneous topology file of a fast and a slow group (links fast enough not to matter)."""
-    text = f'name = "{name}"\nplatform = "gpu"\nnum_chips = {sum(chips)}\ngroup_bandwidth_gbps = {link}\n'
-    text += GROUP.format(name="fast", chip="nvidia-h100-sxm", chips=chips[0], tflops=400 * fast, hbm=hbm[0], hbm_bw=1000 * fast,
-                         link=link)
-    text += GROUP.format(name="slow", chip="nvidia-h100-sxm", chips=chips[1], tflops=400 * slow, hbm=hbm[1], hbm_bw=1000 * slow,
-                         link=link)
+def two_groups(tmp_path, fast=2.0, slow=1.0, link=1000.0, hbm=(80, 80), name="pair", chips=(2, 2), hbm_bw=1000.0,
+               between=None):
+    """A heterogeneous topology file of a fast and a slow group (links fast enough not to matter;
+    ``between``: the link between the groups, GB/s per chip, if not ``link``)."""
+    text = f'name = "{name}"\nplatform = "gpu"\nnum_chips = {sum(chips)}\ngroup_bandwidth_gbps = {between or link}\n'
+    text += GROUP.format(name="fast", chip="nvidia-h100-sxm", chips=chips[0], tflops=400 * fast, hbm=hbm[0],
+                         hbm_bw=hbm_bw * fast, link=link)
+    text += GROUP.format(name="slow", chip="nvidia-h100-sxm", chips=chips[1], tflops=400 * slow, hbm=hbm[1],
+                         hbm_bw=hbm_bw * slow, link=link)
     path = tmp_path / f"{name}.toml"
     path.write_text(text)
     return load_topology(path)
@@ -84,6 +88,92 @@ def test_uneven_split_follows_the_speeds(tmp_path, fast, slow):
     assert even.step_s / best.step_s == pytest.approx((fast + slow) / (2 * slow), rel=0.1)
     # and a planner that sees one kind of chip runs the even split
     assert plans.heterogeneous_gain == pytest.approx((fast + slow) / (2 * slow), rel=0.1)
+
+
+def test_mixtral_fits_on_the_h100_a100_cluster_with_fsdp_across_the_groups():
+    # 46.7B weights x 16 bytes = 747 GB of weights, gradients and Adam state: 87 GiB per device
+    # over 8 (one group's data replica), 44 GiB over all 16; only layouts whose fsdp spans both
+    # groups fit (pipelines are refused for a model with a balance loss), each chip an equal share
+    plans = planner.plan("mixtral-8x7b", load_topology("gpu-h100-a100-16"), 64, 4096, top=0)
+    assert plans.best.fits and plans.best.split.shares == (32, 32)
+    assert all(r.candidate.degree("fsdp") * r.candidate.degree("expert") * r.candidate.degree("tensor") == 16
+               for r in plans.ranked if not isinstance(r.candidate, placement.Placement))
+
+
+# --- HeterMoE placement -----------------------------------------------------------------------
+
+# no balance loss: pipelines across the groups (the layers split) are candidates too
+EXPERT_HEAVY = MoEConfig(vocab_size=1024, embed=2048, layers=8, heads=16, kv_heads=16, head_dim=128, mlp=4096, experts=8,
+                         top_k=2, balance_weight=0.0)
+ATTENTION_HEAVY = dataclasses.replace(EXPERT_HEAVY, mlp=512, top_k=1)
+
+
+def compute_bound_seconds(cfg, tokens: int, seq_len: int, chips: int, tflops: float) -> tuple[float, float]:
+    """(attention side, experts) seconds of a step at ``chips``' matmul rate, nothing recomputed: 6
+    FLOPs per weight per token; a flash kernel on a sequence of one block computes the whole score
+    square, 3.5 times (forward 2 matmuls, backward 5)."""
+    rate = chips * tflops * 1e12 * roofline.matmul_efficiency("nvidia-h100-sxm")
+    e, h, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
+    attention_weights = cfg.layers * (2 * e * h * d + 2 * e * k * d) + cfg.vocab_size * e  # q, o, k, v; the output layer
+    scores = 3.5 * 4 * cfg.layers * h * d * seq_len * tokens
+    expert_weights = cfg.layers * (e * cfg.experts + 3 * e * cfg.mlp * cfg.top_k)  # the router; top_k experts' SwiGLU
+    return (6 * attention_weights * tokens + scores) / rate, 6 * expert_weights * tokens / rate
+
+
+@pytest.mark.parametrize("fast", [2.0, 4.0])
+@pytest.mark.parametrize("microbatches", [1, 8])
+def test_placement_step_follows_the_speeds_and_the_pipeline(tmp_path, fast, microbatches):
+    # compute-bound (HBM and links 1000x the usual): each group's stage is its FLOPs at its speed;
+    # one micro-batch runs them one after the other, eight overlap them, the bottleneck busy
+    # throughout but for the other stage's first (or last) hop
+    topology = two_groups(tmp_path, fast, 1.0, link=1e6, hbm_bw=1e6, chips=(4, 4))
+    problem = planner.problem_for(EXPERT_HEAVY, topology, 64, 512, only_remat="none", only_microbatches=microbatches)
+    placed = placement.best(problem)
+    hops = 2 * EXPERT_HEAVY.layers  # forward and backward through every layer
+    latency = 2 * cost.ALPHA_S["dcn"]  # each hop's two messages across the link, out and back
+    tflops = {"fast": 400 * fast, "slow": 400.0}
+    for attention, experts in (("fast", "slow"), ("slow", "fast")):
+        on_a, _ = compute_bound_seconds(EXPERT_HEAVY, 64 * 512, 512, 4, tflops[attention])
+        _, on_b = compute_bound_seconds(EXPERT_HEAVY, 64 * 512, 512, 4, tflops[experts])
+        if microbatches == 1:
+            expected = on_a + on_b + hops * latency
+        else:
+            expected = max(on_a, on_b) * (1 + min(on_a, on_b) / (hops * microbatches * max(on_a, on_b))) + latency
+        assert placed[attention].step_s == pytest.approx(expected, rel=1e-3), (attention, microbatches)
+
+
+@pytest.mark.parametrize("cfg, attention_on", [(EXPERT_HEAVY, "slow"), (ATTENTION_HEAVY, "fast")])
+def test_both_role_assignments_are_priced_and_the_faster_chosen(tmp_path, cfg, attention_on):
+    # the experts' matmuls are 3x the attention side's in one model, a sixth of it in the other:
+    # the faster group takes the larger part
+    plans = planner.plan(cfg, two_groups(tmp_path, 3.0, 1.0, chips=(4, 4)), 64, 512, top=0)
+    assert set(plans.placements) == {"fast", "slow"}
+    ranked = [r for r in plans.ranked if isinstance(r.candidate, placement.Placement)]
+    assert ranked[0].split.groups[0] == attention_on
+    assert ranked[0].step_s == min(r.step_s for r in plans.placements.values())
+    assert plans.placements[attention_on].step_s < 0.75 * plans.placements[{"fast": "slow", "slow": "fast"}[attention_on]].step_s
+
+
+def test_placement_is_not_offered_for_dense_models_or_one_kind_of_chip(tmp_path):
+    dense = planner.plan("tiny", two_groups(tmp_path), 16, 128, top=0)
+    one_kind = planner.plan("moe-tiny", load_topology("v5e-8"), 16, 128, top=0)
+    for plans, words in ((dense, "a dense model"), (one_kind, "one kind of chip")):
+        assert plans.placements == {} and words in plans.placement_refused
+        assert not any(isinstance(r.candidate, placement.Placement) for r in plans.ranked)
+    assert "HeterMoE placement not offered: a dense model" in planner.format_plans(dense)
+
+
+@pytest.mark.parametrize("between", [1000.0, 1.0])
+def test_a_slow_link_between_the_groups_makes_the_placement_lose_to_the_uneven_split(tmp_path, between):
+    # the placement sends every layer's activations across the groups, out and back; a pipeline
+    # split by layers sends one micro-batch's activations once per stage boundary
+    plans = planner.plan(EXPERT_HEAVY, two_groups(tmp_path, 2.0, 1.0, link=1e6, chips=(4, 4), between=between), 64, 512, top=0)
+    printed = planner.format_plans(plans)
+    if between == 1000.0:
+        assert isinstance(plans.best.candidate, placement.Placement) and "wins by" in printed
+    else:
+        assert plans.best.split.kind in hetero.SPLIT_KINDS and len(set(plans.best.split.shares)) > 1
+        assert "loses by" in printed and "bound by the link between the groups (1 GB/s per chip)" in printed
 
 
 def test_one_kind_topology_is_one_group():
