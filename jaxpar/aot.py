@@ -294,8 +294,20 @@ def compile_plans(plans, count: int, cfg: TrainConfig = POD_DEFAULTS) -> list[di
                      "predicted_memory": plan.memory_bytes, "compiled_memory": mem["peak"] - mem["generated_code"],
                      "predicted_traffic": plan.traffic_bytes,
                      "compiled_traffic": sum(r["bytes_per_chip"] for r in report["collectives"].values()),
-                     "note": f"compiled as the even split ({plan.split.describe()} is a plan only)" if plan.split else ""})
+                     "note": _compiled_as(plan)})
     return rows
+
+
+def _compiled_as(plan) -> str:
+    """What of a plan its compile stands for: jaxpar runs one SPMD program, an equal share on every
+    chip, so an uneven split compiles as the even one, and a placement of modules on device groups
+    as a layout jaxpar runs on the same chips."""
+    split = plan.split
+    if split is None or (split.kind != "modules" and len(set(split.shares)) == 1):
+        return ""
+    if split.kind == "modules":
+        return f"compiled as {plan.candidate.strategy_text}, a layout jaxpar runs on these chips ({split.describe()} is a plan only)"
+    return f"compiled as the even split ({split.describe()} is a plan only)"
 
 
 def format_report(report: dict) -> str:
