@@ -219,3 +219,10 @@ def test_shared_experts_and_sigmoid_group_limited_routing_under_expert_tensor_pa
     cfg = dataclasses.replace(TINY, shared_experts=1, score="sigmoid", groups=4, top_groups=2)
     model_fn = lambda rngs: moe.MoE(cfg, rngs=rngs)  # noqa: E731
     assert_same(sharded("expert=2,tensor=2,fsdp=2", model_fn, moe.loss_fn, batches(tokens)), oracle(model_fn, moe.loss_fn, batches(tokens)))
+
+
+def test_a_resume_that_would_route_otherwise_is_refused_naming_what_differs():
+    saved = moe._meta(TINY)
+    assert moe.changed(TINY, saved, {}) is None
+    why = moe.changed(CAPPED, saved, {"capacity_factor": 1.0})
+    assert why.startswith("was trained routing with capacity_factor None (now 1.0)") and "--capacity-factor" in why

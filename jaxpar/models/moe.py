@@ -168,11 +168,12 @@ def configure(cfg: MoEConfig, seq_len: int, capacity_factor: float | None = None
 
 def changed(cfg: MoEConfig, saved: dict, given: dict) -> str | None:
     """Why a checkpoint's routing (``saved``: its meta) makes another function than ``cfg``'s."""
-    routing = saved.get("routing")
-    if routing is not None and routing != dataclasses.asdict(cfg.routing):
-        return (f"was trained with routing {routing}, and this run routes with {dataclasses.asdict(cfg.routing)}: another "
-                f"routing makes another function of the same weights; pass the same --capacity-factor to resume it")
-    return None
+    routing, now = saved.get("routing"), dataclasses.asdict(cfg.routing)
+    if routing is None or routing == now:
+        return None
+    differ = ", ".join(f"{key} {routing.get(key)} (now {now[key]})" for key in now if routing.get(key) != now[key])
+    return (f"was trained routing with {differ}: another routing makes another function of the same weights; "
+            f"pass the run's own --capacity-factor to resume it")
 
 
 def routing_report(model: MoE, batch, devices: int) -> dict:
