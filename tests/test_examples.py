@@ -35,6 +35,8 @@ def test_readme_own_model_runs_as_printed():
 EXAMPLES = [
     pytest.param("train_own_model.py", ["--steps", "2", "--batch-size", "8", "--layouts", "data=8", "fsdp=4,tensor=2"],
                  "largest relative difference from data=8", id="train_own_model"),
+    pytest.param("own_moe.py", ["--steps", "2", "--batch-size", "8"], "largest relative difference from one device",
+                 id="own_moe"),
     pytest.param("cross_mesh_reshard.py", [], "moved: values equal", id="cross_mesh_reshard"),
     pytest.param("mpmd_pipeline.py", ["--steps", "2", "--microbatches", "2", "--rows", "4", "--seq-len", "16"],
                  "the loss fell from", id="mpmd_pipeline"),
