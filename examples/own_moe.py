@@ -4,8 +4,10 @@
   ``expert`` axis by XLA's partitioner (the GSPMD path; XLA may warn that it replicates a tensor to
   re-split it: the partitioner's price for a layer that runs every expert on every token);
 - ``RoutedMoE``, the same layer through ``jaxpar.nn.mixture_of_experts``: top-2 routing, grouped
-  matmuls, the tokens sent to the devices that hold their experts and back (the manual path), and
-  the load-balancing loss.
+  matmuls, the tokens sent to the devices that hold their experts and back (the manual path), the
+  load-balancing loss, and a routing bias that no optimizer trains (``nn.RuleUpdated``: each step
+  moves it by ``BIAS_RATE`` toward the experts that got fewer tokens, DeepSeek-V3's
+  auxiliary-loss-free balancing, through ``experts.bias_steering``).
 
 Each is trained under ``expert=4,fsdp=2`` and on one device, from the same weights and batches.
 
@@ -25,12 +27,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxpar.experts import Routing  # noqa: E402
-from jaxpar.nn import mixture_of_experts, reduce_partial  # noqa: E402
+from jaxpar.experts import Routing, balance_loss, bias_steering  # noqa: E402
+from jaxpar.nn import RuleUpdated, mixture_of_experts, reduce_partial  # noqa: E402
 from jaxpar.parallel import build_layout, parse_strategy  # noqa: E402
 from jaxpar.train.step import TrainConfig, Trainer  # noqa: E402
 
 WIDTH, HIDDEN, EXPERTS, TOP_K = 16, 32, 8, 2
+BIAS_RATE = 0.01
 TOLERANCE = 1e-5  # fp32: the layouts differ only in the order of their sums
 
 
@@ -56,19 +59,22 @@ class PlainMoE(nnx.Module):
 
 class RoutedMoE(nnx.Module):
     """The same kind of layer, SwiGLU experts, through jaxpar's op: it returns the output (partial
-    sums over the experts' hidden width where tensor parallelism splits it) and the balance loss."""
+    sums over the experts' hidden width where tensor parallelism splits it) and the terms of the
+    loss that balance the load: the balance loss, and the bias's steering term (0, its gradient the
+    bias's step: added to the loss unweighted)."""
 
     def __init__(self, rngs):
         self.router = nnx.Param(named(("embed", None))(rngs.params(), (WIDTH, EXPERTS)))
         self.gate = nnx.Param(named(("experts", "embed", "mlp"))(rngs.params(), (EXPERTS, WIDTH, HIDDEN)))
         self.up = nnx.Param(named(("experts", "embed", "mlp"))(rngs.params(), (EXPERTS, WIDTH, HIDDEN)))
         self.down = nnx.Param(named(("experts", "mlp", "embed"))(rngs.params(), (EXPERTS, HIDDEN, WIDTH)))
+        self.bias = RuleUpdated(jnp.zeros(EXPERTS), out_sharding=(None,))  # whole on every device: each routes
 
     def __call__(self, x):
         names = ("batch", "length", "embed")
-        out, balance = mixture_of_experts(x, names, self.router[...], self.gate[...], self.up[...], self.down[...],
-                                          Routing(EXPERTS, TOP_K))
-        return reduce_partial(out, ("mlp",), names), balance
+        out, sums = mixture_of_experts(x, names, self.router[...], self.gate[...], self.up[...], self.down[...],
+                                       Routing(EXPERTS, TOP_K), self.bias[...])
+        return reduce_partial(out, ("mlp",), names), balance_loss(sums, TOP_K), bias_steering(self.bias[...], sums.copies, BIAS_RATE)
 
 
 def plain_loss(model, batch):
@@ -76,8 +82,8 @@ def plain_loss(model, batch):
 
 
 def routed_loss(model, batch):
-    out, balance = model(batch[..., :WIDTH])
-    return jnp.mean((out - jnp.sin(batch[..., WIDTH:])) ** 2) + 0.01 * balance
+    out, balance, steering = model(batch[..., :WIDTH])
+    return jnp.mean((out - jnp.sin(batch[..., WIDTH:])) ** 2) + 0.01 * balance + steering
 
 
 def final_loss(strategy: str, model, loss_fn, batches) -> float:

@@ -82,7 +82,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     ``attention="auto"`` is splash on a TPU pod). ``dump_hlo``: a directory to write the compiled
     program's text into; ``family_options``: the options only the model's family takes (``RunConfig``'s
     ``block_size``, ``window`` of a block diffusion model, which reads ``seq_len`` tokens twice:
-    [x_t ; x_0]; ``capacity_factor``, ``balance_weight`` of a mixture of experts); ``explicit``: the fields of ``cfg`` given on
+    [x_t ; x_0]; ``capacity_factor``, ``balance_weight``, ``bias_rate`` of a mixture of experts); ``explicit``: the fields of ``cfg`` given on
     purpose (refused, like any non-default value, where the layout would ignore them).
 
     A plan that cannot fit is a ``JobFailed`` when the compiler itself refuses it (XLA:TPU);

@@ -21,6 +21,7 @@ sequence drops the same copies as one device.
 ``balance_loss`` is the auxiliary loss that keeps the loads even, ``E * sum_e f_e P_e`` with
 ``f_e`` the fraction of the copies routed to expert e (before any drop) and ``P_e`` the mean
 router probability of e, from sums (``BalanceSums``) that a layout adds up over its devices first.
+``bias_steering`` is the auxiliary-loss-free alternative's update of the bias from the same sums.
 
 Expert weights are stacked on a leading ``experts`` dim: gate and up (experts, embed, mlp), down
 (experts, mlp, embed); the router (embed, experts). This module is the arithmetic alone; the model
@@ -120,6 +121,17 @@ def balance_loss(sums: BalanceSums, top_k: int):
     uniform, E when every token goes to one expert with probability 1."""
     fraction = sums.copies / (sums.tokens * top_k)
     return sums.copies.shape[0] * jnp.sum(fraction * sums.probs / sums.tokens)
+
+
+def bias_steering(bias, copies, rate: float):
+    """A term of the loss whose value is 0 and whose gradient on the routing ``bias`` (experts,) is
+    ``rate * sign(copies - their mean)``, for the batch's token ``copies`` per expert (before any
+    drop): a step that subtracts the gradient (``jaxpar.nn.RuleUpdated``) raises the bias of the
+    experts that got less than an even share and lowers it for those that got more, by ``rate``
+    (DeepSeek-V3's auxiliary-loss-free balancing and its update speed)."""
+    copies = copies.astype(jnp.float32)
+    step = jax.lax.stop_gradient(rate * jnp.sign(copies - jnp.mean(copies)))
+    return jnp.sum(step * (bias - jax.lax.stop_gradient(bias)).astype(jnp.float32))
 
 
 def ranks_in_row(experts, num_experts: int, earlier=None):

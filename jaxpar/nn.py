@@ -16,7 +16,9 @@ path instead (``train/gspmd.py``), where XLA places the collectives.
 - ``block_share(batch, block_size)``: a block diffusion loss's share of a batch under block
   parallelism (its runtime: ``parallel/block/blocks.py``);
 - ``mixture_of_experts(x, names, ...)``: a routed mixture-of-experts MLP (``jaxpar.experts``),
-  its tokens exchanged over the expert axis under expert parallelism (``parallel/expert/``).
+  its tokens exchanged over the expert axis under expert parallelism (``parallel/expert/``);
+- ``RuleUpdated``: the type of a weight the optimizer leaves alone, moved each step by exactly
+  minus its gradient (a rule the model writes into its loss: a mixture's routing bias).
 
 The runtimes of the strategies these calls drive (collective matmul's rings, block sharing) live
 in their strategies' folders under ``parallel/``.
@@ -32,6 +34,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxpar import experts, parallel
 from jaxpar.errors import LayoutError
@@ -290,20 +293,28 @@ def cross_entropy(logits, targets, names: Names = ("batch", "length", "vocab"), 
 # --- mixture of experts ------------------------------------------------------------------------
 
 
+class RuleUpdated(nnx.Variable):
+    """A weight the optimizer leaves alone: each training step subtracts its gradient from it as it
+    is (no optimizer state, no weight decay, no clipping, outside the gradient norm). The model
+    writes the weight's update rule into its loss as a term whose value is 0 and whose gradient is
+    the step to take (``jaxpar.experts.bias_steering``), so every layout, path and accumulation
+    computes the step as it computes any gradient."""
+
+
 def mixture_of_experts(x, names: Names, router, w_gate, w_up, w_down, routing: experts.Routing, bias=None):
-    """(output, load-balancing loss) of a routed mixture of experts on tokens ``x`` (rows, length,
-    embed) laid out as ``names`` (``jaxpar.experts``): ``router`` (embed, experts), the experts'
-    stacked SwiGLU weights ``w_gate``, ``w_up`` (experts, embed, mlp) and ``w_down`` (experts, mlp,
-    embed), ``bias`` (experts,) added to the scores for the choice only.
+    """(output, the whole batch's ``experts.BalanceSums``) of a routed mixture of experts on tokens
+    ``x`` (rows, length, embed) laid out as ``names`` (``jaxpar.experts``): ``router`` (embed,
+    experts), the experts' stacked SwiGLU weights ``w_gate``, ``w_up`` (experts, embed, mlp) and
+    ``w_down`` (experts, mlp, embed), ``bias`` (experts,) added to the scores for the choice only.
 
     The output holds partial sums over the layout's axes of ``mlp`` (expert-tensor parallelism), as
-    a dense MLP's down projection does: finish it with ``residual_add(..., ("mlp",), ...)``. The loss
-    is the whole batch's, the same on every device."""
+    a dense MLP's down projection does: finish it with ``residual_add(..., ("mlp",), ...)``. The
+    sums are the same on every device: ``experts.balance_loss`` of them is the load-balancing loss,
+    ``experts.bias_steering`` of their copies the routing bias's update."""
     _check_rank(x, names)
     layout = manual_layout("mixture_of_experts")
     if layout is None:
-        out, sums = experts.mixture(x, router, w_gate, w_up, w_down, routing, bias)
-        return out, experts.balance_loss(sums, routing.top_k)
+        return experts.mixture(x, router, w_gate, w_up, w_down, routing, bias)
     rows, length, width = x.shape
     weights, chosen, probs = experts.route(jnp.einsum("rle,ex->rlx", x, router), routing, bias)
     sums = _whole_batch(experts.balance_sums(chosen, probs, routing.experts), names, probs, layout)
@@ -319,7 +330,7 @@ def mixture_of_experts(x, names: Names, router, w_gate, w_up, w_down, routing: e
         slot = exchange.slot_rows(tokens, routing.top_k, w_gate.shape[0], rows, routing.capacity(whole))
         out = exchange.mixture(flat, kept.reshape(tokens, -1), weights.reshape(tokens, -1), w_gate, w_up, w_down,
                                routing.experts, axes, exchange.runs_ragged(layout), slot)
-    return out.reshape(x.shape), experts.balance_loss(sums, routing.top_k)
+    return out.reshape(x.shape), sums
 
 
 def _whole_batch(sums: experts.BalanceSums, names: Names, probs, layout: Layout) -> experts.BalanceSums:

@@ -76,6 +76,11 @@ class RunConfig:
     balance_weight: float | None = flags.flag(None, commands=("train", "compile"), help={
         "train": "mixture-of-experts models: the weight of the load-balancing loss (default the model's, 0.01 for moe-tiny)",
         "compile": "mixture-of-experts models: the weight of the load-balancing loss"})
+    # a mixture of experts' routing bias step (None: its config's; 0: no bias)
+    bias_rate: float | None = flags.flag(None, commands=("train", "compile"), help={
+        "train": "mixture-of-experts models: auxiliary-loss-free balancing, each step moving every layer's routing bias "
+                 "by this much toward the experts that got fewer tokens than an even share (e.g. 0.001; 0: no bias, the default)",
+        "compile": "mixture-of-experts models: the routing bias's step per training step (0: no bias)"})
     train: TrainConfig = TrainConfig()
     # TrainConfig fields set on purpose even where they equal the default (the CLI's flags): like
     # any other non-default value, they are refused when the layout would ignore them

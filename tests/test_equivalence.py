@@ -90,7 +90,8 @@ def sharded(strategy, model_fn, loss_fn, host_batches, cfg=CFG):
     else:
         trainer = Trainer(build_layout(parse_strategy(strategy, 8)), model_fn, loss_fn, cfg, optimizer=OPTIMIZER)
     start, shardings = initial_weights(model_fn), trainer.state_shardings
-    state = TrainState(jax.device_put(start, shardings.params), jax.device_put(OPTIMIZER.init(start), shardings.opt_state),
+    # (the trainer's optimizer: OPTIMIZER, leaving any nn.RuleUpdated weight to its rule)
+    state = TrainState(jax.device_put(start, shardings.params), jax.device_put(trainer.optimizer.init(start), shardings.opt_state),
                        jax.device_put(np.int32(0), shardings.step))
     losses, after = [], []
     for batch in host_batches:

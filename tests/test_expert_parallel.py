@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax.traverse_util import flatten_dict
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxpar import aot
 from jaxpar.analysis import hlo
@@ -22,11 +22,13 @@ from jaxpar.errors import JaxparError, LayoutError
 from jaxpar.models import moe
 from jaxpar.parallel import build_layout, check_model, parse_strategy
 from jaxpar.topology import load_topology
+from jaxpar.train.state import TrainState
 from jaxpar.train.step import Trainer
 from tests.test_equivalence import BATCH, CFG, OPTIMIZER, SEQ, assert_same, batches, initial_weights, oracle, sharded, tokens  # noqa: F401 (tokens: a fixture)
 
 TINY = moe.CONFIGS["moe-tiny"]
 CAPPED = dataclasses.replace(TINY, capacity_factor=1.0)
+STEERED = dataclasses.replace(TINY, bias_rate=0.01)  # with DeepSeek-V3's routing bias (10x its step: it moves in 3 steps)
 
 
 def tiny_moe(rngs):
@@ -90,6 +92,8 @@ def test_exchange_bytes_equal_the_formula_and_experts_are_never_reduced_over_exp
 def test_a_pipeline_refuses_a_balance_loss_and_expert_degrees_must_divide_the_experts():
     with pytest.raises(LayoutError, match=r"stage=2: a pipeline passes only the residual stream.*--balance-weight 0"):
         check_model(parse_strategy("stage=2,expert=2,fsdp=2", 8), TINY, SEQ)
+    with pytest.raises(LayoutError, match=r"also hand its loss their routing-bias steps \(bias_rate=0.01\).*--bias-rate 0"):
+        check_model(parse_strategy("stage=2,expert=2,fsdp=2", 8), dataclasses.replace(STEERED, balance_weight=0.0), SEQ)
     with pytest.raises(LayoutError, match=r"expert=8 does not divide the model's 6 experts.*one of 1, 2, 3, 6"):
         check_model(parse_strategy("expert=8", 8), dataclasses.replace(TINY, experts=6), SEQ)
     with pytest.raises(JaxparError, match=r"top_k=9 must be between 1 and the number of experts \(8\)"):
@@ -221,8 +225,73 @@ def test_shared_experts_and_sigmoid_group_limited_routing_under_expert_tensor_pa
     assert_same(sharded("expert=2,tensor=2,fsdp=2", model_fn, moe.loss_fn, batches(tokens)), oracle(model_fn, moe.loss_fn, batches(tokens)))
 
 
+def steered_oracle(cfg, host_batches):
+    """One device, DeepSeek-V3's rule written out: the weights trained as the oracle trains them
+    (gradient clipped by the norm of the trained weights' gradients alone), and each layer's routing
+    bias moved by -rate x sign(copies - mean copies) of the step's batch as routed before the step
+    (``MoE.routing_counts``), by no optimizer. (losses, first gradients and norm, final weights)."""
+    model_fn = lambda rngs: moe.MoE(cfg, rngs=rngs)  # noqa: E731
+    graphdef, state = nnx.split(model_fn(nnx.Rngs(jax.random.key(0))))
+    params = initial_weights(model_fn)
+    trained = lambda tree: {k: v for k, v in flatten_dict(tree).items() if k != ("layers", "router_bias")}  # noqa: E731
+    opt_state = OPTIMIZER.init(trained(params))
+
+    def model(p):
+        nnx.replace_by_pure_dict(state, p)
+        return nnx.merge(graphdef, state)
+
+    @jax.jit
+    def step(p, o, batch):
+        loss, grads = jax.value_and_grad(lambda q: moe.loss_fn(model(q), batch))(p)
+        norm = optax.tree.norm(trained(grads))
+        clipped = jax.tree.map(lambda g: g * jnp.minimum(1.0, CFG.clip_norm / norm), trained(grads))
+        updates, o = OPTIMIZER.update(clipped, o, trained(p))
+        copies, _ = model(p).routing_counts(batch[:, :-1])
+        copies = copies.astype(jnp.float32)
+        bias = p["layers"]["router_bias"] - cfg.bias_rate * jnp.sign(copies - copies.mean(-1, keepdims=True))
+        new = optax.apply_updates(trained(p), updates) | {("layers", "router_bias"): bias}
+        return unflatten_dict(new), o, loss, unflatten_dict(clipped), norm
+
+    losses, first = [], None
+    for batch in host_batches:
+        params, opt_state, loss, grads, norm = step(params, opt_state, jnp.asarray(batch))
+        losses.append(float(loss))
+        first = first or (grads, float(norm))
+    return losses, first, jax.device_get(params)
+
+
+@pytest.mark.parametrize("strategy", ["expert=2,tensor=2,fsdp=2", "data=2,expert=2,context=2"])
+def test_the_routing_bias_steps_by_its_rule_and_no_optimizer_under_expert_layouts(strategy, tokens):  # noqa: F811
+    model_fn = lambda rngs: moe.MoE(STEERED, rngs=rngs)  # noqa: E731
+    host = batches(tokens)
+    losses, (grads, norm), params = steered_oracle(STEERED, host)
+    trainer = Trainer(build_layout(parse_strategy(strategy, 8)), model_fn, moe.loss_fn, CFG, optimizer=OPTIMIZER)
+    ours_losses, ours_grads, ours_params = sharded(trainer, model_fn, moe.loss_fn, host)
+    np.testing.assert_allclose(ours_losses, losses, rtol=1e-4, atol=1e-5)
+    ours_grads = flatten_dict(ours_grads)
+    for path, g in flatten_dict(grads).items():  # the trained weights' first (clipped) gradients
+        np.testing.assert_allclose(ours_grads[path], g, rtol=1e-4, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), ours_params, params)
+    moved = params["layers"]["router_bias"]
+    assert np.abs(moved).max() > 0 and set(np.round(np.abs(moved.ravel()) / STEERED.bias_rate, 4)) <= {0.0, 1.0, 2.0, 3.0}
+    # the bias holds no optimizer state, and the gradient norm is the trained weights'
+    opt_leaves = jax.tree.leaves(trainer.abstract_state().opt_state)
+    assert sum(x.size for x in opt_leaves) == sum(x.size for x in jax.tree.leaves(trained_only(params)))  # (momentum: one per weight)
+    state = TrainState(*(jax.device_put(x, s) for x, s in zip(
+        (initial_weights(model_fn), trainer.optimizer.init(initial_weights(model_fn)), np.int32(0)), trainer.state_shardings)))
+    np.testing.assert_allclose(float(trainer.step(state, trainer.put_batch(host[0]))[1]["grad_norm"]), norm, rtol=1e-4)
+
+
+def trained_only(params):
+    return {k: v for k, v in flatten_dict(params).items() if k[-1] != "router_bias"}
+
+
 def test_a_resume_that_would_route_otherwise_is_refused_naming_what_differs():
     saved = moe._meta(TINY)
     assert moe.changed(TINY, saved, {}) is None
     why = moe.changed(CAPPED, saved, {"capacity_factor": 1.0})
     assert why.startswith("was trained routing with capacity_factor None (now 1.0)") and "--capacity-factor" in why
+    why = moe.changed(STEERED, saved, {"bias_rate": 0.01})
+    assert why.startswith("was trained without a routing bias, and this run has one") and "--bias-rate 0" in why
+    assert moe.changed(dataclasses.replace(STEERED, bias_rate=0.002), moe._meta(STEERED), {}) is None  # another step size: the same weights
+    assert moe.FAMILY.saved(TINY, moe._meta(STEERED)).bias_rate == 0.01 and moe.FAMILY.saved(STEERED, {}).bias_rate == 0.0

@@ -126,6 +126,14 @@ def test_sigmoid_group_limited_routing_with_a_bias_equals_its_loop():
     assert (chosen // 2 == chosen[:, :1] // 2).all()  # both of a token's experts from its one kept group
 
 
+def test_the_bias_steering_term_is_zero_and_its_gradient_the_rules_step():
+    copies = jnp.array([5, 1, 3, 3])  # mean 3: expert 0 above, expert 1 below, 2 and 3 even
+    bias = jnp.array([0.25, -0.5, 0.0, 1.0])
+    value, grad = jax.value_and_grad(moe.bias_steering)(bias, copies, 0.01)
+    assert float(value) == 0.0
+    np.testing.assert_array_equal(grad, np.float32([0.01, -0.01, 0.0, 0.0]))  # subtracted: the loaded expert's bias falls
+
+
 def test_routings_that_cannot_work_are_refused_in_words():
     with pytest.raises(JaxparError, match=r"groups dividing the 4 experts.*got groups=3"):
         moe.Routing(4, 2, groups=3)

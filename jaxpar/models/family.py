@@ -56,3 +56,6 @@ class Family:
     # (cfg, saved meta, options given) -> why resuming the saved run as ``cfg`` would train
     # another function of the same weights (None: it would not)
     changed: Callable = _nothing_more
+    # (cfg, a checkpoint's meta) -> the config whose weights the checkpoint holds (a mixture's
+    # routing bias is a weight only where its run had one)
+    saved: Callable = lambda cfg, meta: cfg

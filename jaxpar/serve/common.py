@@ -278,6 +278,7 @@ def _restore_step(ckpt, checkpoint_dir: str, step: int, family: str, layout: Lay
     """``restore_model`` of one step; raises CheckpointDamaged naming what is damaged."""
     meta = ckpt.read_meta(step)
     cfg = model_config(meta["model"])
+    cfg = family_of(cfg).saved(cfg, meta)
     if family_of(cfg).name != family:
         raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} holds {meta['model']!r}, a {family_of(cfg).words}; "
                           f"this generates from {family_words(family)}s")

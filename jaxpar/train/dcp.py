@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.errors import JaxparError
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.train import reductions
+from jaxpar.train.state import leave_to_rules
 from jaxpar.train.step import TrainConfig, Trainer, TrainState
 
 
@@ -182,7 +183,7 @@ class DataCentricTrainer:
         self._trainers: dict[tuple[int, str], Trainer] = {}
         self._programs: dict[tuple[int, str], object] = {}  # jitted: each call shape compiles once
         self.base = self._trainer(1, cfg.remat)  # holds the state: every weight whole on every device
-        self.optimizer = optimizer or self.base.optimizer
+        self.optimizer = leave_to_rules(optimizer, self.base.abstract) if optimizer else self.base.optimizer
         self._flat = NamedSharding(jax.sharding.Mesh(np.array(self.devices), ("devices",)), PartitionSpec("devices"))
         self._apply = jax.jit(self._apply_fn, donate_argnums=(0,))
 
@@ -223,8 +224,7 @@ class DataCentricTrainer:
         return loss, jax.tree.map(lambda g: jnp.sum(g, axis=0), stacked)  # the one reduction, over every device
 
     def _apply_fn(self, state: TrainState, grads):
-        norm = optax.tree.norm(grads)
-        grads = reductions.clip_to(grads, norm, self.cfg.clip_norm)
+        norm, grads = reductions.norm_and_clip(grads, self.cfg.clip_norm, self.base.sharded_state.rule_updated)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), norm
 

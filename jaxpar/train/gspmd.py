@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -91,7 +90,6 @@ def grads_fn(trainer, explicit: bool):
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s), params, grad_shardings)
         acc, losses = jax.lax.scan(micro_step, zeros, micro)
         g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x / k, acc), opt_shardings)
-        norm = optax.tree.norm(g)
-        return jnp.mean(losses), norm, reductions.clip_to(g, norm, cfg.clip_norm)
+        return (jnp.mean(losses), *reductions.norm_and_clip(g, cfg.clip_norm, trainer.sharded_state.rule_updated))
 
     return grads

@@ -43,7 +43,7 @@ from jaxpar.rules import Layout, record_model_calls, use_layout
 from jaxpar.train import grad_sync, gspmd, reductions, remat
 from jaxpar.train.config import NONFINITE, PATHS, TrainConfig
 from jaxpar.train.placement import BatchPlacement
-from jaxpar.train.state import ShardedState, abstract_model, make_optimizer, variables
+from jaxpar.train.state import ShardedState, abstract_model, leave_to_rules, make_optimizer, variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +105,9 @@ def make_plan(layout: Layout, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(
     """Every decision of a step of ``model_fn``'s ``loss_fn`` under ``layout`` (see the module doc);
     ``batch`` (arrays or ShapeDtypeStructs) decides the path too."""
     check_options(layout, cfg)
-    optimizer = optimizer or make_optimizer(cfg)
-    state = ShardedState(layout, model_fn, optimizer, *abstract_model(model_fn))  # every weight against the layout
+    graphdef, abstract = abstract_model(model_fn)
+    optimizer = leave_to_rules(optimizer or make_optimizer(cfg), abstract)
+    state = ShardedState(layout, model_fn, optimizer, graphdef, abstract)  # every weight against the layout
     shapes = {p: v.get_value().shape for p, v in variables(state.abstract).items()}
     for module in STRATEGIES:  # e.g. heads the context all-to-all cannot split
         module.check_weights(layout, {p: (state.written_names[p], shapes[p]) for p in shapes})

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax.traverse_util import flatten_dict as flatten
 from flax.traverse_util import unflatten_dict as nest
 
@@ -135,29 +136,39 @@ def all_reduce_buckets(plans: dict, sync, microbatches: int):
     return list(buckets.items()), [p for p in plans if p not in bucketed]
 
 
-def global_norm(grads, layout: Layout, names: dict):
+def global_norm(grads, layout: Layout, names: dict, skip=frozenset()):
     """Norm of the whole gradient from its shards (laid out like the optimizer state; ``names``
-    by path): each shard's squares summed over the axes it is split over (once per group of leaves
-    split alike), never over axes it is copied on."""
+    by path) but the paths in ``skip``: each shard's squares summed over the axes it is split over
+    (once per group of leaves split alike), never over axes it is copied on."""
     by_axes: dict[tuple, jax.Array] = {}
     for path, g in flatten(grads).items():
+        if path in skip:
+            continue
         axes = tuple(a for name in names[path] for a in layout.axes_of(name, "optimizer"))
         by_axes[axes] = by_axes.get(axes, 0.0) + jnp.sum(jnp.square(g))
     total = sum(jax.lax.psum(s, axes) if axes else s for axes, s in by_axes.items())
     return jnp.sqrt(total)
 
 
-def clip(grads, layout: Layout, names: dict, clip_norm: float):
-    """(global norm, gradients clipped to ``clip_norm``; 0: not clipped), inside the manual step."""
-    norm = global_norm(grads, layout, names)
-    return norm, clip_to(grads, norm, clip_norm)
+def clip(grads, layout: Layout, names: dict, clip_norm: float, skip=frozenset()):
+    """(global norm, gradients clipped to ``clip_norm``; 0: not clipped), inside the manual step;
+    the gradients at the paths in ``skip`` (``nn.RuleUpdated`` weights') neither count nor are clipped."""
+    norm = global_norm(grads, layout, names, skip)
+    return norm, clip_to(grads, norm, clip_norm, skip)
 
 
-def clip_to(grads, norm, clip_norm: float):
+def norm_and_clip(grads, clip_norm: float, skip=frozenset()):
+    """``clip`` of gradients XLA lays out (the GSPMD path, data-centric parallel)."""
+    norm = optax.tree.norm({path: g for path, g in flatten(grads).items() if path not in skip})
+    return norm, clip_to(grads, norm, clip_norm, skip)
+
+
+def clip_to(grads, norm, clip_norm: float, skip=frozenset()):
     """``grads``, whose global norm is ``norm``, scaled down to norm ``clip_norm`` (0: as they
-    are). Every path's clipping (optax's clip_by_global_norm divides instead, and computes a norm
-    of its own, which on the manual path is a sum across devices: ``global_norm``)."""
+    are), but the paths in ``skip``. Every path's clipping (optax's clip_by_global_norm divides
+    instead, and computes a norm of its own, which on the manual path is a sum across devices:
+    ``global_norm``)."""
     if not clip_norm:
         return grads
     scale = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30))
-    return jax.tree.map(lambda g: g * scale, grads)
+    return nest({path: g if path in skip else g * scale for path, g in flatten(grads).items()})

@@ -21,6 +21,7 @@ from flax.traverse_util import unflatten_dict as nest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import LayoutError
+from jaxpar.nn import RuleUpdated
 from jaxpar.rules import Layout, logical_names
 
 if TYPE_CHECKING:
@@ -54,6 +55,20 @@ def variables(state) -> dict:
     return {path: var for path, var in nnx.to_flat_state(state)}
 
 
+def rule_updated_paths(abstract) -> frozenset:
+    """The paths of the weights the optimizer leaves alone (``nn.RuleUpdated``)."""
+    return frozenset(path for path, var in variables(abstract).items() if isinstance(var, RuleUpdated))
+
+
+def leave_to_rules(optimizer: optax.GradientTransformation, abstract) -> optax.GradientTransformation:
+    """``optimizer`` for every weight but the ``nn.RuleUpdated`` ones, which step by minus their
+    gradient and hold no optimizer state (``optimizer`` itself where the model has none)."""
+    rules = rule_updated_paths(abstract)
+    if not rules:
+        return optimizer
+    labels = nest({path: "rule" if path in rules else "trained" for path in variables(abstract)})
+    return optax.partition({"trained": optimizer, "rule": optax.scale(-1.0)}, labels)
+
 
 
 class ShardedState:
@@ -82,9 +97,11 @@ class ShardedState:
         self.grad_specs_by_param = nest({p: self._spec(p, "grad") for p in flat})
         abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(abstract))
         abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+        self.rule_updated = rule_updated_paths(abstract)  # (``leave_to_rules``: no optimizer state, where MaskedNode stands)
         self.opt_specs = optax.tree_map_params(
-            optimizer, lambda _, spec: spec, abstract_opt, self.opt_specs_by_param,
-            transform_non_params=lambda _: PartitionSpec(), is_leaf=lambda x: isinstance(x, PartitionSpec),
+            optimizer, lambda state, spec: state if isinstance(state, optax.MaskedNode) else spec, abstract_opt,
+            self.opt_specs_by_param, transform_non_params=lambda _: PartitionSpec(),
+            is_leaf=lambda x: isinstance(x, (PartitionSpec, optax.MaskedNode)),
         )
         shard = lambda specs: jax.tree.map(  # noqa: E731
             lambda s: NamedSharding(layout.mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)

@@ -210,7 +210,7 @@ class Trainer:
 
     def _clip(self, grads):
         """(global norm, gradients clipped to ``cfg.clip_norm``)."""
-        return reductions.clip(grads, self.layout, self.names, self.cfg.clip_norm)
+        return reductions.clip(grads, self.layout, self.names, self.cfg.clip_norm, self.sharded_state.rule_updated)
 
     def grad_fn(self):
         """(params, batch, step=None) -> (loss, gradient norm, clipped gradients laid out like the

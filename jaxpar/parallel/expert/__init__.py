@@ -21,7 +21,7 @@ plus the counts once (P-1 x E/P int32). The ragged exchange puts only the copies
 device on the wire, (P-1)/P x T x k of them for even routing, each way (``wire_bytes``); its compiled
 program is bounded by the buffers it sends from, T x k rows out and P x S back (``layer_bytes``).
 The balance loss adds one all-reduce of 2E float32 per layer over the devices the tokens are split
-over.
+over (the routing bias alone: E, the copies per expert).
 """
 
 import math
@@ -86,9 +86,12 @@ def traffic(strategy, ctx) -> dict:
     forwards = 1 + (ctx.remat != "none")  # recomputation runs the forward's exchanges again
     for kind in forward:
         out[(kind, "expert")] = ctx.microbatches * model.layers * (forwards * forward[kind] + backward.get(kind, 0.0))
-    if model.balance_weight:  # each layer's balance sums (copies and probabilities per expert, float32) over all tokens
+    # each layer's balance sums over all tokens (float32): the copies per expert for the balance loss
+    # or the routing bias, the probabilities too for the balance loss
+    per_expert = 2 if model.balance_weight else 1 if model.bias_rate else 0
+    if per_expert:
         tokens = math.prod(ctx.mesh.values()) // ctx.mesh.get("stage", 1)
-        out[("all-reduce", "expert")] += ctx.microbatches * model.layers * forwards * data.grad_allreduce_bytes(2 * model.experts * 4, tokens)
+        out[("all-reduce", "expert")] += ctx.microbatches * model.layers * forwards * data.grad_allreduce_bytes(per_expert * model.experts * 4, tokens)
     return out
 
 

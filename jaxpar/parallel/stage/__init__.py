@@ -40,12 +40,12 @@ def check(strategy):
 
 def check_model(strategy, cfg, seq_len: int) -> None:
     """Refuse a model whose layers hand the loss more than the residual stream (a mixture of
-    experts' load-balancing losses): the stages pass only the stream between them."""
-    if strategy.degrees.get("stage", 1) > 1 and getattr(cfg, "balance_weight", 0):
+    experts' load-balancing losses or routing-bias steps): the stages pass only the stream between them."""
+    extras = cfg.layer_extras() if hasattr(cfg, "layer_extras") else None
+    if strategy.degrees.get("stage", 1) > 1 and extras:
         raise LayoutError(f"stage={strategy.degrees['stage']}: a pipeline passes only the residual stream between "
-                          f"stages, and this model's layers also hand its loss their load-balancing losses "
-                          f"(balance_weight={cfg.balance_weight}); train it pipelined with --balance-weight 0, or "
-                          f"without stage=")
+                          f"stages, and this model's layers also hand its loss their {extras}; train it pipelined "
+                          f"with --balance-weight 0 --bias-rate 0, or without stage=")
 
 
 def rules(strategy, compute: dict, stored: dict):
