@@ -9,8 +9,9 @@ the bias steers the load, the weights stay the unbiased scores).
 
 The token copies are sorted by expert (``dispatch``), so each expert's copies are one contiguous
 group, and every expert's SwiGLU runs as three grouped matmuls over the groups (``experts_mlp``:
-``jax.lax.ragged_dot``, no padding, an expert no token picks costs nothing). The outputs are put
-back in token order and summed with the routing weights (``combine``).
+``jax.lax.ragged_dot``, no padding, an expert no token picks costs nothing; or JAX's megablox
+Pallas kernel, which expert parallelism's exchange takes on TPU). The outputs are put back in token
+order and summed with the routing weights (``combine``).
 
 Dropless by default. With a ``capacity_factor`` an expert takes at most ``capacity(length)`` =
 ceil(capacity_factor x length x top_k / experts) copies from each row (sequence) of the batch, the
@@ -37,6 +38,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
 from jaxpar.errors import JaxparError
 
@@ -162,11 +164,39 @@ def dispatch(experts, num_experts: int):
     return order, jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)
 
 
-def experts_mlp(copies, group_sizes, w_gate, w_up, w_down):
+def experts_mlp(copies, group_sizes, w_gate, w_up, w_down, kernel: str = "ragged_dot", interpret: bool = False):
     """Every expert's SwiGLU on its group of the sorted ``copies`` (rows, embed): three grouped
-    matmuls; rows past the groups' total come out zero."""
-    hidden = jax.nn.silu(jax.lax.ragged_dot(copies, w_gate, group_sizes)) * jax.lax.ragged_dot(copies, w_up, group_sizes)
-    return jax.lax.ragged_dot(hidden, w_down, group_sizes)
+    matmuls, by ``kernel`` (``GROUPED_KERNELS``; ``interpret``: megablox's Pallas kernel in
+    interpret mode, off TPU); rows past the groups' total come out zero. Under megablox the
+    gradient of those rows of ``copies`` is left unwritten: read only the groups' rows of it."""
+    if kernel == "ragged_dot":
+        hidden = jax.nn.silu(jax.lax.ragged_dot(copies, w_gate, group_sizes)) * jax.lax.ragged_dot(copies, w_up, group_sizes)
+        return jax.lax.ragged_dot(hidden, w_down, group_sizes)
+    # megablox's gmm leaves the rows past the groups unwritten (each row of its output reads only
+    # its own row, so they stay apart): the output is zeroed there. The backward pass leaves the
+    # same rows of the copies' cotangent unwritten: the exchange, the one caller, sends back only the
+    # rows that came (zeroing them would cost 0.42 GB more temporaries on Mixtral-8x7B)
+    inside = (jnp.arange(copies.shape[0]) < jnp.sum(group_sizes))[:, None]
+    sizes = group_sizes.astype(jnp.int32)
+
+    def gmm(lhs, rhs):
+        return megablox.gmm(lhs, rhs, sizes, preferred_element_type=lhs.dtype, interpret=interpret,
+                            tiling=megablox_tiling(lhs.shape[0], *rhs.shape[1:]))
+
+    out = gmm(jax.nn.silu(gmm(copies, w_gate)) * gmm(copies, w_up), w_down)
+    return jnp.where(inside, out, jnp.zeros((), out.dtype))
+
+
+GROUPED_KERNELS = ("ragged_dot", "megablox")
+MEGABLOX_TILE = (512, 1024, 1024)  # (rows, contracted, out): megablox gmm's tiles, each cut to its dim
+
+
+def megablox_tiling(rows: int, contracted: int, out: int) -> tuple[int, int, int] | None:
+    """The tiles of megablox's gmm for a (rows, contracted) x (groups, contracted, out) grouped
+    matmul, or None where a dim is not a whole number of them (the kernel needs whole tiles)."""
+    dims = (rows, contracted, out)
+    tiles = tuple(min(t, d) for t, d in zip(MEGABLOX_TILE, dims))
+    return tiles if all(d % t == 0 for d, t in zip(dims, tiles)) else None
 
 
 def combine(outputs, order, weights):

@@ -328,8 +328,10 @@ def mixture_of_experts(x, names: Names, router, w_gate, w_up, w_down, routing: e
         out = experts.combine(outputs, order, weights.reshape(tokens, -1))
     else:
         slot = exchange.slot_rows(tokens, routing.top_k, w_gate.shape[0], rows, routing.capacity(whole))
+        devices = math.prod(layout.mesh.shape[a] for a in axes)
+        kernel = exchange.grouped_kernel(layout, devices * slot, width, w_gate.shape[-1])
         out = exchange.mixture(flat, kept.reshape(tokens, -1), weights.reshape(tokens, -1), w_gate, w_up, w_down,
-                               routing.experts, axes, exchange.runs_ragged(layout), slot)
+                               routing.experts, axes, exchange.runs_ragged(layout), slot, kernel)
     return out.reshape(x.shape), sums
 
 

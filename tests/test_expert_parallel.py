@@ -7,6 +7,7 @@ capacity is per row, earlier tokens first).
 """
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from jaxpar.analysis import hlo
 from jaxpar.errors import JaxparError, LayoutError
 from jaxpar.models import moe
 from jaxpar.parallel import build_layout, check_model, parse_strategy
+from jaxpar.parallel.expert import exchange
 from jaxpar.topology import load_topology
 from jaxpar.train.state import TrainState
 from jaxpar.train.step import Trainer
@@ -154,8 +156,17 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
                                              ("expert=4,fsdp=2,expert_exchange=ragged", "capacity")])
 def test_the_ragged_exchange_matches_one_device_with_the_op_emulated(strategy, model, tokens, moe_oracles, monkeypatch):  # noqa: F811
     # the offsets and sizes the ragged exchange computes, run through the op's documented semantics
+    # (megablox, which TPU runs the experts by, cannot run here: its interpret mode refuses the
+    # step's typed shard_map; test_experts checks it against ragged_dot alone)
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     assert_same(sharded(strategy, MODELS[model], moe.loss_fn, batches(tokens)), moe_oracles[model])
+
+
+def test_the_experts_run_by_megablox_on_tpu_where_the_shapes_tile_and_by_ragged_dot_otherwise():
+    on = lambda platform: SimpleNamespace(mesh=SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)])))  # noqa: E731
+    assert exchange.grouped_kernel(on("tpu"), 32768, 4096, 14336) == "megablox"  # Mixtral's landing buffer on v5p-512
+    assert exchange.grouped_kernel(on("tpu"), 1000, 64, 64) == "ragged_dot"  # 1000 rows: no whole tiles
+    assert exchange.grouped_kernel(on("cpu"), 32768, 4096, 14336) == "ragged_dot"
 
 
 def test_the_routing_report_counts_every_copy_and_drops_beyond_each_rows_capacity(tokens):  # noqa: F811

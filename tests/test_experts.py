@@ -54,12 +54,33 @@ def test_the_block_equals_a_per_expert_loop_value_and_gradients(silent_expert):
         _, experts, _ = moe.route(args[0] @ args[1], ROUTING)
         assert not (experts == silent_expert).any()  # the case the test is about: an empty group
     got = block(*args)
-    np.testing.assert_allclose(got, loop_moe(*args), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, jax.jit(loop_moe)(*args), rtol=1e-5, atol=1e-5)
     probe = jax.random.normal(jax.random.key(9), (TOKENS, EMBED))  # a loss that weighs every output differently
     grads = jax.grad(lambda *a: jnp.sum(block(*a) * probe), argnums=(0, 1, 2, 3, 4))(*args)
-    want = jax.grad(lambda *a: jnp.sum(loop_moe(*a) * probe), argnums=(0, 1, 2, 3, 4))(*args)
+    # (the loop compiled: run op by op, its gradient took 18 s of the suite)
+    want = jax.jit(jax.grad(lambda *a: jnp.sum(loop_moe(*a) * probe), argnums=(0, 1, 2, 3, 4)))(*args)
     for g, w in zip(grads, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_megablox_grouped_matmuls_equal_ragged_dot_with_rows_past_the_groups():
+    # the megablox Pallas kernel (interpret mode here; expert parallelism takes it on TPU) against
+    # ragged_dot: groups of 3, 0 (an empty expert), 2, 1 copies in 8 rows, rows 6 and 7 past them
+    x, _, gate, up, down = weights()
+    copies, sizes = x[:8], jnp.array([3, 0, 2, 1])
+    probe = jax.random.normal(jax.random.key(5), (8, EMBED))
+
+    def run(kernel, interpret=False):
+        mlp = lambda c, g, u, d: moe.experts_mlp(c, sizes, g, u, d, kernel, interpret)  # noqa: E731
+        return mlp(copies, gate, up, down), jax.grad(lambda *a: jnp.sum(mlp(*a) * probe), argnums=(0, 1, 2, 3))(copies, gate, up, down)
+
+    (want, want_grads), (got, got_grads) = run("ragged_dot"), run("megablox", interpret=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert (got[6:] == 0).all()
+    np.testing.assert_allclose(got_grads[0][:6], want_grads[0][:6], rtol=1e-5, atol=1e-6)  # (rows past the groups: unwritten)
+    for g, w in zip(got_grads[1:], want_grads[1:]):  # the experts' weights: only their own rows, whole
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert moe.megablox_tiling(4096, 4096, 14336) == (512, 1024, 1024) and moe.megablox_tiling(1000, 64, 64) is None  # 1000 rows: no whole 512-row tiles
 
 
 def test_dispatch_groups_each_experts_copies_and_counts_an_empty_expert():
