@@ -166,7 +166,7 @@ def dispatch(experts, num_experts: int):
 
 def experts_mlp(copies, group_sizes, w_gate, w_up, w_down, kernel: str = "ragged_dot", interpret: bool = False):
     """Every expert's SwiGLU on its group of the sorted ``copies`` (rows, embed): three grouped
-    matmuls, by ``kernel`` (``GROUPED_KERNELS``; ``interpret``: megablox's Pallas kernel in
+    matmuls, by ``kernel`` ("ragged_dot" or "megablox"; ``interpret``: megablox's Pallas kernel in
     interpret mode, off TPU); rows past the groups' total come out zero. Under megablox the
     gradient of those rows of ``copies`` is left unwritten: read only the groups' rows of it."""
     if kernel == "ragged_dot":
@@ -187,7 +187,6 @@ def experts_mlp(copies, group_sizes, w_gate, w_up, w_down, kernel: str = "ragged
     return jnp.where(inside, out, jnp.zeros((), out.dtype))
 
 
-GROUPED_KERNELS = ("ragged_dot", "megablox")
 MEGABLOX_TILE = (512, 1024, 1024)  # (rows, contracted, out): megablox gmm's tiles, each cut to its dim
 
 

@@ -20,13 +20,15 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jaxpar import aot
 from jaxpar.analysis import hlo
 from jaxpar.errors import JaxparError, LayoutError
+from jaxpar.experts import bias_steering
 from jaxpar.models import moe
+from jaxpar.nn import RuleUpdated
 from jaxpar.parallel import build_layout, check_model, parse_strategy
 from jaxpar.parallel.expert import exchange
 from jaxpar.topology import load_topology
 from jaxpar.train.state import TrainState
 from jaxpar.train.step import Trainer
-from tests.test_equivalence import BATCH, CFG, OPTIMIZER, SEQ, assert_same, batches, initial_weights, oracle, sharded, tokens  # noqa: F401 (tokens: a fixture)
+from tests.test_equivalence import BATCH, CFG, LEARNING_RATE, OPTIMIZER, SEQ, assert_same, batches, initial_weights, oracle, sharded, tokens  # noqa: F401 (tokens: a fixture)
 
 TINY = moe.CONFIGS["moe-tiny"]
 CAPPED = dataclasses.replace(TINY, capacity_factor=1.0)
@@ -135,6 +137,50 @@ def test_a_plain_flax_moe_under_expert_parallelism_matches_one_device(tokens):  
     assert_same(sharded(trainer, model_fn, plain_loss, host), oracle(model_fn, plain_loss, host))
     assert trainer.plan.path == "gspmd"
     assert trainer.state_shardings.params["w_in"].spec[0] == "expert"  # the experts are split, not replicated
+
+
+class SteeredPlainMoE(PlainMoE):
+    """``PlainMoE`` with a routing bias trained by its rule: a ``RuleUpdated`` weight and the steering
+    term in the loss, and no jaxpar call in the model, so the GSPMD path runs it."""
+
+    def __init__(self, *, rngs):
+        super().__init__(rngs=rngs)
+        self.bias = RuleUpdated(jnp.zeros(8), out_sharding=(None,))
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        probs = jax.nn.softmax(self.router(x), axis=-1)
+        _, chosen = jax.lax.top_k(probs + self.bias[...], 2)
+        top = jnp.take_along_axis(probs, chosen, axis=-1)
+        weights = jnp.sum(jax.nn.one_hot(chosen, probs.shape[-1]) * (top / top.sum(-1, keepdims=True))[..., None], axis=-2)
+        hidden = jax.nn.gelu(jnp.einsum("bld,xdh->blxh", x, self.w_in[...]))
+        x = x + jnp.einsum("blxh,xhd,blx->bld", hidden, self.w_out[...], weights)
+        copies = jnp.sum(jax.nn.one_hot(chosen, probs.shape[-1]), axis=(0, 1, 2))
+        return self.head(x), bias_steering(self.bias[...], copies, 0.01)
+
+
+def steered_plain_loss(model, batch):
+    logits, steering = model(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean() + steering
+
+
+def test_a_plain_flax_moe_with_a_rule_updated_bias_on_the_gspmd_path_matches_one_device(tokens):  # noqa: F811
+    # the bias's step comes from the loss's gradient there too (XLA's reductions), out of the clip norm
+    model_fn = lambda rngs: SteeredPlainMoE(rngs=rngs)  # noqa: E731
+    host = [b % 64 for b in batches(tokens)]
+    cfg = dataclasses.replace(CFG, clip_norm=1e-3)  # the trained weights' gradient clipped: the bias's must not be
+    one = Trainer(build_layout(parse_strategy("data=1", 1), jax.devices()[:1]), model_fn, steered_plain_loss, cfg, optimizer=OPTIMIZER)
+    split = Trainer(build_layout(parse_strategy("expert=4,fsdp=2", 8)), model_fn, steered_plain_loss, cfg, optimizer=OPTIMIZER)
+    ours, reference = sharded(split, model_fn, steered_plain_loss, host), sharded(one, model_fn, steered_plain_loss, host)
+    assert split.plan.path == "gspmd"
+    assert_same(ours, reference)
+    assert split.sharded_state.rule_updated == {("bias",)}
+    # the first step moved the bias by exactly the rule, unclipped: -0.01 x sign(copies - mean)
+    with nnx.use_eager_sharding(False):
+        model = model_fn(nnx.Rngs(jax.random.key(0)))  # (the weights initial_weights made)
+    _, chosen = jax.lax.top_k(jax.nn.softmax(model.router(model.embed(jnp.asarray(host[0][:, :-1]))), axis=-1), 2)
+    copies = np.bincount(np.asarray(chosen).ravel(), minlength=8)
+    np.testing.assert_allclose(-ours[1]["bias"] * LEARNING_RATE, -0.01 * np.sign(copies - copies.mean()), atol=1e-6)
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
