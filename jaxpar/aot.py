@@ -201,7 +201,7 @@ def _memory_per_chip(stats, topology: Topology, trainer, strategy) -> dict:
         "hbm": topology.hbm_bytes,
         "fits": peak <= topology.hbm_bytes,
         **trainer.stored_bytes_per_device(),
-        "zero_table": memory.zero_table(trainer, strategy),
+        "zero_table": memory.zero_table(trainer),
     }
 
 
@@ -244,7 +244,7 @@ def _estimate(trainer, strategy, model_cfg, batch_size: int, seq_len: int, rows,
     """The roofline of ``trainer``'s step from traffic ``rows`` (kind, mesh axes, bytes per chip, crosses DCN)."""
     layout, cfg = trainer.layout, trainer.cfg
     return roofline.estimate_step(
-        model_cfg, batch_size, seq_len, rows, topology, layout.mesh.size, state_bytes=memory.zero_table(trainer, strategy),
+        model_cfg, batch_size, seq_len, rows, topology, layout.mesh.size, state_bytes=memory.zero_table(trainer),
         batch_axes=layout.batch_axes, tensor=layout.mesh.shape["tensor"], recompute=roofline.RECOMPUTE[cfg.remat],
         attention=cfg.attention, compute_dtype=cfg.compute_dtype)
 

@@ -50,7 +50,7 @@ def step_report(trainer, compiled, strategy, cfg, batch_shape: tuple[int, int]) 
     report = {
         "memory": {
             "measured_bytes_per_device": memory.measured_memory(trainer, compiled),
-            "zero_table_bytes_per_device": memory.zero_table(trainer, strategy),
+            "zero_table_bytes_per_device": memory.zero_table(trainer),
             "zero_table_bytes_per_param": memory.BYTES_PER_PARAM,
         },
         "communication": traffic.compare(compiled.as_text(), trainer, strategy, batch_shape, cfg),

@@ -131,17 +131,14 @@ class Layout:
             return PartitionSpec()
         if shape is not None:
             names = self.effective_names(names, shape)
-        entries, owner = [], {}
         for dim, name in enumerate(names):
-            if name is None:
-                entries.append(None)
-                continue
-            if name not in rules:
+            if name is not None and name not in rules:
                 raise LayoutError(
                     f"{what}: logical axis {name!r} (dim {dim}) has no rule; known logical axes are "
                     f"{sorted(rules)}. Rename the dim or add a rule for {name!r}"
                 )
-            axes = self._live(rules[name])
+        entries, owner = [], {}
+        for dim, (name, axes) in enumerate(zip(names, self.dim_axes(names, mapping))):
             for axis in axes:
                 if axis in owner:
                     raise LayoutError(
@@ -151,9 +148,7 @@ class Layout:
                     )
                 owner[axis] = name
             if shape is not None and axes:
-                ways = 1
-                for axis in axes:
-                    ways *= self.mesh.shape[axis]
+                ways = math.prod(self.mesh.shape[axis] for axis in axes)
                 if shape[dim] % ways:
                     raise LayoutError(
                         f"{what}: dim {dim} ({name!r}, size {shape[dim]}) is not divisible by mesh axes "
@@ -164,6 +159,19 @@ class Layout:
         while entries and entries[-1] is None:
             entries.pop()  # P("fsdp", None) and P("fsdp") mean the same; keep the short form
         return PartitionSpec(*entries)
+
+    def dim_axes(self, names: Names, mapping: str = "compute") -> tuple[tuple[str, ...], ...]:
+        """Each dim's mesh axes (of more than one device) under ``mapping``, for a tensor of these
+        logical names. A stored mapping (param, optimizer, grad) leaves out of a dim the axes the
+        compute mapping splits another dim of the same tensor over: an expert weight, computed split
+        over ``expert`` on its ``experts`` dim, is not stored split over it again on ``embed``,
+        where the other weights are (``parallel/expert``)."""
+        dims = [self.axes_of(name, mapping) for name in names]
+        if mapping == "compute":
+            return tuple(dims)
+        computed = [self.axes_of(name) for name in names]
+        taken = lambda dim: {a for other, axes in enumerate(computed) if other != dim for a in axes}  # noqa: E731
+        return tuple(tuple(a for a in axes if a not in taken(dim)) for dim, axes in enumerate(dims))
 
     def sharding(self, names: Names | None, mapping: str = "compute", shape=None, what: str = "tensor") -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(names, mapping, shape, what))
@@ -275,8 +283,8 @@ def stored_shape(names, shape) -> tuple[int, ...]:
 def gather_plan(names, layout: Layout) -> list[tuple[int, tuple[str, ...]]]:
     """(dim, mesh axes) a weight is all-gathered over, from its stored to its compute layout."""
     plan = []
-    for dim, name in enumerate(names):
-        extra = tuple(a for a in layout.axes_of(name, "param") if a not in layout.axes_of(name, "compute"))
+    for dim, (stored, computed) in enumerate(zip(layout.dim_axes(names, "param"), layout.dim_axes(names))):
+        extra = tuple(a for a in stored if a not in computed)
         if extra:
             plan.append((dim, extra))
     return plan

@@ -107,7 +107,7 @@ def test_memory_follows_the_zero_table(strategy_text):
     # two micro-batches, so the step really carries a gradient accumulation buffer
     strategy, trainer, step = compiled(strategy_text, TrainConfig(microbatches=2))
     measured = memory.measured_memory(trainer, step)
-    table = memory.zero_table(trainer, strategy)
+    table = memory.zero_table(trainer)
     for kind in ("parameters", "gradient_accumulation", "optimizer"):
         assert measured[kind] == pytest.approx(table[kind], rel=0.02), (kind, measured[kind], table[kind])
 
@@ -116,7 +116,7 @@ def test_zero_table_bytes_per_parameter():
     # Psi = all weights; fsdp = 8: the stages divide parameters (3), gradients (2), optimizer (1) by 8
     psi = TINY.num_params()
     strategy, trainer, _ = compiled("fsdp=8,zero=2")
-    table = memory.zero_table(trainer, strategy)
+    table = memory.zero_table(trainer)
     assert table == pytest.approx({"parameters": 4 * psi, "gradient_accumulation": 4 * psi / 8, "optimizer": 8 * psi / 8})
 
 
@@ -128,7 +128,7 @@ def test_pipeline_memory_and_stage_traffic():
     m = 4
     strategy, trainer, step = compiled("stage=2,fsdp=2,tensor=2", TrainConfig(microbatches=m, schedule="1f1b"))
     measured = memory.measured_memory(trainer, step)
-    table = memory.zero_table(trainer, strategy)
+    table = memory.zero_table(trainer)
     for kind in ("parameters", "gradient_accumulation", "optimizer"):
         assert measured[kind] == pytest.approx(table[kind], rel=0.02), (kind, measured[kind], table[kind])
     report = traffic.compare(step.as_text(), trainer, strategy, (BATCH, SEQ), TINY)
@@ -153,7 +153,7 @@ def test_hierarchical_zero_gathers_inside_groups_and_splits_the_rest_over_all():
     strategy, trainer, step = compiled("fsdp=8,param_shards=4", TrainConfig(microbatches=k))
     measured = memory.measured_memory(trainer, step)
     expected = {"parameters": 4 * psi / 4, "gradient_accumulation": 4 * psi / 8, "optimizer": 8 * psi / 8}
-    assert memory.zero_table(trainer, strategy) == pytest.approx(expected)
+    assert memory.zero_table(trainer) == pytest.approx(expected)
     for kind, value in expected.items():
         assert measured[kind] == pytest.approx(value, rel=0.02), kind
     cols = [c for c in hlo.collectives(step.as_text(), trainer.layout.mesh) if c.operand_bytes > traffic.SCALAR_BYTES]

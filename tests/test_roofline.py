@@ -27,7 +27,7 @@ def plan(cfg, text, batch, seq_len, topology, remat="full", attention=FLASH, com
     sent = traffic.optimal_traffic_by_axis(trainer, strategy, (batch, seq_len), cfg)
     rows = [(kind, axis, b, False) for (kind, axis), b in sent.items()]
     return roofline.estimate_step(
-        cfg, batch, seq_len, rows, topology, layout.mesh.size, state_bytes=memory.zero_table(trainer, strategy),
+        cfg, batch, seq_len, rows, topology, layout.mesh.size, state_bytes=memory.zero_table(trainer),
         batch_axes=layout.batch_axes, tensor=layout.mesh.shape["tensor"], recompute=roofline.RECOMPUTE[remat],
         attention=attention, compute_dtype=compute_dtype)
 

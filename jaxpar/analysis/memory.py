@@ -9,58 +9,77 @@ Measured:
 
 The ZeRO table (Psi weights, per device, after tensor parallelism divides what it shards): weights
 4 bytes (float32 master copy; bf16 copies for compute are transient), gradient accumulation 4
-bytes, Adam moments 8 bytes, each divided by the ways the strategies split it (``fsdp`` from the
-ZeRO stage that shards it: ZeRO-1 optimizer, ZeRO-2 + gradients, ZeRO-3 + weights; hierarchical
-ZeRO's groups divide the gradients and optimizer state again).
+bytes, Adam moments 8 bytes, each weight's divided by the ways its stored mapping splits it over
+the batch axes (``fsdp`` from the ZeRO stage that shards it: ZeRO-1 optimizer, ZeRO-2 +
+gradients, ZeRO-3 + weights; hierarchical ZeRO's groups divide the gradients and optimizer state
+again; expert parallelism's axis joins fsdp for the weights outside the experts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 
-from jaxpar.parallel import STRATEGIES
 from jaxpar.rules import LOOKUP_AXIS, gather_plan
 
 BYTES_PER_PARAM = {"parameters": 4, "gradient_accumulation": 4, "optimizer": 8}
+MAPPING_OF = {"parameters": "param", "gradient_accumulation": "grad", "optimizer": "optimizer"}  # the Layout mapping storing each
+STORED_MAPPINGS = tuple(MAPPING_OF.values())
 
 
-def tensor_local_params(trainer, only_layers: bool = False, split_over: str | None = None) -> float:
-    """Weights one device holds after tensor parallelism, expert parallelism and the pipeline (a
-    stage stores only its own layers) divide them, before any data-parallel sharding; with
-    ``only_layers``, just the stacked layer weights (logical axis ``layers``); with ``split_over``,
-    just the weights whose compute layout splits them over that mesh axis."""
-    layout, total = trainer.layout, 0.0
+@dataclasses.dataclass(frozen=True)
+class WeightShare:
+    """One weight as the analytic formulas see it: ``psi``, its weights on one device after tensor
+    parallelism, expert parallelism and the pipeline divide it, and the batch axes each stored
+    mapping splits that further over (ZeRO over ``fsdp``; ``expert`` too for the weights outside
+    the experts)."""
+
+    psi: float
+    layer: bool  # a stacked layer weight (logical axis ``layers``)
+    computed_over: frozenset  # mesh axes its compute layout splits it over
+    stored_over: dict  # mapping ("param", "optimizer", "grad") -> batch axes it is split over beyond compute
+    ways: dict  # mapping -> how many ways those axes split it
+    # a lookup table ``jaxpar.nn.embed_lookup`` reads at its stored shards: its row width on one
+    # device (its rows travel instead of the table); 0 for every other weight
+    table_width: int = 0
+
+    def stored(self, mapping: str) -> float:
+        """Its weights on one device as ``mapping`` stores them."""
+        return self.psi / self.ways[mapping]
+
+
+def weight_shares(trainer) -> list[WeightShare]:
+    """Every weight of ``trainer`` (a Trainer, or the planner's stand-in) as a ``WeightShare``."""
+    layout, shares = trainer.layout, []
     for path, names in trainer.names.items():
-        axes = [a for n in names for a in layout.axes_of(n, "compute")]
-        if (only_layers and "layers" not in names) or (split_over is not None and split_over not in axes):
-            continue
-        numel = math.prod(trainer.abstract_leaf(path).shape)
-        ways = math.prod(layout.mesh.shape[a] for a in axes)
+        shape = trainer.abstract_leaf(path).shape
+        computed = {a for dim in layout.dim_axes(names) for a in dim}
+        ways = math.prod(layout.mesh.shape[a] for a in computed)
         if "layers" in names:
             ways *= math.prod(layout.mesh.shape[a] for a in layout.axes_of("layers", "param"))
-        total += numel / ways
-    return total
+        stored_over = {m: tuple(a for dim in layout.dim_axes(names, m) for a in dim if a in layout.batch_axes and a not in computed)
+                       for m in STORED_MAPPINGS}
+        shares.append(WeightShare(math.prod(shape) / ways, "layers" in names, frozenset(computed), stored_over,
+                                  {m: math.prod(layout.mesh.shape[a] for a in axes) for m, axes in stored_over.items()},
+                                  _table_width(layout, names, shape)))
+    return shares
 
 
-def stored_tables(trainer) -> tuple[float, int, int]:
-    """(weights per device after tensor parallelism, summed row width, count) of the lookup tables that
-    ``jaxpar.nn.embed_lookup`` reads at their stored shards inside the manual step (``rules.stored_table``:
-    first logical axis ``vocab``, only the last dim split in storage): never gathered, their rows
-    travel instead."""
-    layout, psi, width, count = trainer.layout, 0.0, 0, 0
-    for path, names in trainer.names.items():
-        if not names or names[0] != LOOKUP_AXIS:
-            continue
-        shape = trainer.abstract_leaf(path).shape
-        if [dim for dim, _ in gather_plan(names, layout)] != [len(shape) - 1]:
-            continue
-        compute_ways = lambda name: math.prod(layout.mesh.shape[a] for a in layout.axes_of(name, "compute") if a not in layout.batch_axes)  # noqa: E731
-        psi += math.prod(shape) / math.prod(compute_ways(n) for n in names)
-        width += shape[-1] // compute_ways(names[-1])
-        count += 1
-    return psi, width, count
+def _table_width(layout, names, shape) -> int:
+    """Row width on one device of a lookup table read at its stored shards (``rules.stored_table``:
+    first logical axis ``vocab``, only the last dim split in storage), else 0."""
+    if not names or names[0] != LOOKUP_AXIS or [dim for dim, _ in gather_plan(names, layout)] != [len(shape) - 1]:
+        return 0
+    return shape[-1] // math.prod(layout.mesh.shape[a] for a in layout.dim_axes(names)[-1])
+
+
+def tensor_local_params(trainer, only_layers: bool = False) -> float:
+    """Weights one device holds after tensor parallelism, expert parallelism and the pipeline (a
+    stage stores only its own layers) divide them, before any data-parallel sharding; with
+    ``only_layers``, just the stacked layer weights (logical axis ``layers``)."""
+    return sum(w.psi for w in weight_shares(trainer) if w.layer or not only_layers)
 
 
 def replicated_params(trainer) -> float:
@@ -78,15 +97,11 @@ def replicated_params(trainer) -> float:
     return total
 
 
-def zero_table(trainer, strategy) -> dict[str, float]:
-    """Bytes per device the ZeRO table predicts for this layout: each kind of state divided by the
-    ways every strategy splits it (``memory(strategy, mesh)`` in each strategy module)."""
-    psi = tensor_local_params(trainer)
-    ways = {kind: 1 for kind in BYTES_PER_PARAM}
-    for module in STRATEGIES:
-        for kind, n in module.memory(strategy, trainer.layout.mesh.shape).items():
-            ways[kind] *= n
-    return {kind: BYTES_PER_PARAM[kind] * psi / ways[kind] for kind in BYTES_PER_PARAM}
+def zero_table(trainer) -> dict[str, float]:
+    """Bytes per device the ZeRO table predicts for this layout: each weight's bytes of each kind
+    of state divided by the ways its stored mapping splits it."""
+    shares = weight_shares(trainer)
+    return {kind: BYTES_PER_PARAM[kind] * sum(w.stored(mapping) for w in shares) for kind, mapping in MAPPING_OF.items()}
 
 
 def measured_memory(trainer, compiled_step) -> dict[str, int]:

@@ -14,7 +14,7 @@ import math
 import jax.numpy as jnp
 
 from jaxpar.analysis import hlo
-from jaxpar.analysis.memory import replicated_params, stored_tables, tensor_local_params
+from jaxpar.analysis.memory import replicated_params, weight_shares
 from jaxpar.models import bd3lm
 from jaxpar.parallel import STRATEGIES
 from jaxpar.parallel.block.blocks import BLOCKS
@@ -31,14 +31,9 @@ class TrafficContext:
     layout: object
     mesh: dict  # mesh axis -> degree
     psi: float  # weights one device holds after tensor / expert parallelism and the pipeline divide them
-    table_psi: float  # of which lookup tables read at their stored shards (never gathered: their rows travel)
-    table_width: int  # the row width of those tables, summed
-    tables: int  # how many (each gathers the token ids of its group once per micro-batch)
     layer_psi: float  # of which stacked layer weights
     replicated_psi: float  # weights kept whole over tensor (GQA key/value heads), gathered size
-    regathered: float  # weights gathered a second time for the backward pass (regather, a pipeline's recompute)
-    stored_shards: int  # ways the stored weights are split over the batch axes
-    grad_shards: int  # ways the reduced gradient is split over the batch axes before the last all-reduce
+    regather: bool  # the layer weights are gathered a second time for the backward pass (regather, a pipeline's recompute)
     compute_bytes: int
     reduce_bytes: int
     stored_bytes: int
@@ -50,12 +45,22 @@ class TrafficContext:
     model: object  # the LlamaConfig, for the activation traffic (None: weights only)
     schedule: object  # the pipeline schedule, or None
     remat: str = "none"  # what the backward pass recomputes (a recomputed forward sends its traffic again)
-    # of psi, the weights whose compute layout splits them over each batch axis (experts over
-    # ``expert``): their gradients are not reduced over it
-    split_psi: dict = dataclasses.field(default_factory=dict)
+    # every weight, with the ways each stored mapping splits it (``memory.weight_shares``)
+    weights: tuple = ()
     # a block diffusion model's clean keys each noisy block reads (its mask's ``clean_reads``), for
     # clean_kv=fetch's all-to-all; None elsewhere
     clean_reads: object = None
+
+    def stored(self, mapping: str, layers: bool | None = None) -> float:
+        """Weights one device stores under ``mapping`` (``layers``: only the stacked layer weights,
+        or only the others)."""
+        return sum(w.stored(mapping) for w in self.weights if layers is None or w.layer == layers)
+
+    def all_reduced(self, axis: str) -> float:
+        """Weights one device all-reduces the gradients of over ``axis``, at the end of the step, as
+        the optimizer state splits them: all but those the compute layout or the optimizer state
+        splits over ``axis`` (expert parallelism's experts; ZeRO's shards)."""
+        return sum(w.stored("optimizer") for w in self.weights if axis not in w.computed_over and axis not in w.stored_over["optimizer"])
 
 
 def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
@@ -63,19 +68,14 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
     cb, rb = jnp.dtype(cfg.compute_dtype).itemsize, jnp.dtype(cfg.grad_reduce_dtype).itemsize
     if layout.mesh.devices.flat[0].platform == "cpu":
         cb, rb = max(cb, 4), max(rb, 4)  # XLA:CPU runs bf16 collectives in f32 (GPU and TPU do not)
-    layer_psi = tensor_local_params(trainer, only_layers=True)
-    table_psi, table_width, tables = stored_tables(trainer)
-    regather = trainer.plan.regather or trainer.plan.schedule is not None
-    ways = lambda mapping: math.prod(layout.mesh.shape[a] for a in layout.axes_of("embed", mapping) if a in layout.batch_axes)  # noqa: E731
+    weights = tuple(weight_shares(trainer))
     return TrafficContext(
-        layout=layout, mesh=dict(layout.mesh.shape), psi=tensor_local_params(trainer), layer_psi=layer_psi,
-        table_psi=table_psi, table_width=table_width, tables=tables,
-        replicated_psi=replicated_params(trainer), regathered=layer_psi if regather else 0.0,
-        stored_shards=ways("param"), grad_shards=ways("optimizer"), compute_bytes=cb, reduce_bytes=rb, stored_bytes=4,
+        layout=layout, mesh=dict(layout.mesh.shape), psi=sum(w.psi for w in weights), layer_psi=sum(w.psi for w in weights if w.layer),
+        replicated_psi=replicated_params(trainer), regather=bool(trainer.plan.regather or trainer.plan.schedule is not None),
+        compute_bytes=cb, reduce_bytes=rb, stored_bytes=4,
         microbatches=cfg.microbatches, batch_shards=layout.batch_shards, batch=batch_shape[0], length=batch_shape[1],
         model=model_cfg, schedule=trainer.plan.schedule, remat=cfg.remat,
-        held_length=held_length(layout, batch_shape[1]),
-        split_psi={a: tensor_local_params(trainer, split_over=a) for a in layout.batch_axes},
+        held_length=held_length(layout, batch_shape[1]), weights=weights,
         clean_reads=(bd3lm.block_diffusion_mask(batch_shape[1] // 2, model_cfg.block_size, model_cfg.window).blocks.allowed.clean_reads
                      if layout.role(FETCH) and model_cfg is not None else None),
     )

@@ -133,7 +133,3 @@ def traffic(strategy, ctx) -> dict:
     out = {("all-reduce", "tp_x"): model.layers * per_layer[("all-reduce", "tp_x")] + data.grad_allreduce_bytes(edge_x, x),
            ("all-reduce", "tp_y"): model.layers * per_layer[("all-reduce", "tp_y")] + data.grad_allreduce_bytes(edge_y, y)}
     return {k: v for k, v in out.items() if v}
-
-
-def memory(strategy, mesh) -> dict:
-    return {}  # the split is in the per-device weight count (ctx.psi): the grid divides what it shards

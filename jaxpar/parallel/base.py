@@ -18,7 +18,8 @@ The static half, read before any device is used:
 - ``check_model(strategy, model_cfg, seq_len)``: refuse a model and length it cannot split;
 - ``rules(strategy, compute, stored)``: its part of the layout's mappings;
 - ``roles(strategy)``: ``{role: mesh axes}`` its runtime reads off the layout (``Layout.role``);
-- ``traffic(strategy, ctx)``, ``memory(strategy, mesh_shape)``: its analytic bytes.
+- ``traffic(strategy, ctx)``: its analytic bytes on the wire (what it stores follows from its
+  ``rules``: ``analysis.memory.zero_table``).
 
 What it asks of a run, a model and a batch, checked by the trainer before anything compiles:
 
@@ -129,10 +130,6 @@ def roles(strategy) -> dict[str, tuple[str, ...]]:
 
 
 def traffic(strategy, ctx) -> dict:
-    return {}
-
-
-def memory(strategy, mesh) -> dict:
     return {}
 
 

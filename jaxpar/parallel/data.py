@@ -27,8 +27,4 @@ def grad_allreduce_bytes(psi_bytes: float, n: int) -> float:
 
 def traffic(strategy, ctx) -> dict:
     n = ctx.mesh["data"]
-    return {("all-reduce", "data"): grad_allreduce_bytes(ctx.psi / ctx.grad_shards * ctx.reduce_bytes, n)} if n > 1 else {}
-
-
-def memory(strategy, mesh) -> dict:
-    return {}  # replicates every kind of state
+    return {("all-reduce", "data"): grad_allreduce_bytes(ctx.all_reduced("data") * ctx.reduce_bytes, n)} if n > 1 else {}

@@ -32,9 +32,8 @@ ID_BYTES = 4  # token ids are int32
 CROSSES_DCN = False
 SHARDED_LOGICAL_AXIS = "embed"
 STAGES = (1, 2, 3)
-# which stored mappings shard ``embed`` over fsdp, from the stage on (memory kinds named alike)
+# which stored mappings shard ``embed`` over fsdp, from the stage on
 SHARDED_FROM = {"optimizer": 1, "grad": 2, "param": 3}
-MEMORY_KIND = {"optimizer": "optimizer", "grad": "gradient_accumulation", "param": "parameters"}
 
 
 OPTIONS = {
@@ -89,31 +88,34 @@ def rules(strategy, compute: dict, stored: dict):
 
 
 def traffic(strategy, ctx) -> dict:
-    """Bytes per device per step over ``fsdp`` (n devices) for the ``ctx.psi`` weights a device
-    holds after tensor parallelism and the pipeline divide them.
+    """Bytes per device per step over ``fsdp`` (n devices) for the weights a device holds after
+    tensor parallelism and the pipeline divide them (``ctx.weights``: each stored split over fsdp,
+    and over expert too outside the experts, m ways in all; the formulas below with n = m).
 
     ZeRO-3 gathers in the compute dtype and reduce-scatters in the reduction dtype each micro-batch,
-    gathering ``ctx.regathered`` weights a second time for the backward pass; ZeRO-1/2
-    reduce-scatter gradients (ZeRO-2 every micro-batch, ZeRO-1 once) and all-gather the updated
-    weights in their stored dtype."""
-    n, k = ctx.mesh["fsdp"], ctx.microbatches
-    if n == 1:
+    gathering the layer weights a second time for the backward pass under ``ctx.regather``;
+    ZeRO-1/2 reduce-scatter gradients (ZeRO-2 every micro-batch, ZeRO-1 once) and all-gather the
+    updated weights in their stored dtype."""
+    k = ctx.microbatches
+    if ctx.mesh["fsdp"] == 1:
         return {}
-    share = (n - 1) / n
-    if strategy.options["zero"] == 3:
-        # lookup tables are read at their shards (``nn.embed_lookup``): instead of a gather and a
-        # reduce-scatter of the table, a gather of the group's token ids and an all-to-all of the
-        # looked-up rows each way
-        psi, tokens = ctx.psi - ctx.table_psi, ctx.batch // (ctx.batch_shards * k) * ctx.held_length
-        rows, ids = tokens * ctx.table_width, ctx.tables * tokens * n * ID_BYTES
-        return {("all-gather", "fsdp"): k * ((psi + ctx.regathered) * ctx.compute_bytes + ids) * share,
-                ("reduce-scatter", "fsdp"): k * psi * share * ctx.reduce_bytes,
-                ("all-to-all", "fsdp"): 2 * k * rows * share * ctx.compute_bytes}
-    reduce_scatters = k if strategy.options["zero"] == 2 else 1
-    return {("reduce-scatter", "fsdp"): reduce_scatters * ctx.psi * share * ctx.reduce_bytes,
-            ("all-gather", "fsdp"): ctx.psi * share * ctx.stored_bytes}
-
-
-def memory(strategy, mesh) -> dict:
-    """Ways each kind of state is split over ``fsdp`` at this stage."""
-    return {MEMORY_KIND[m]: mesh["fsdp"] for m, first in SHARDED_FROM.items() if strategy.options["zero"] >= first}
+    if strategy.options["zero"] != 3:
+        reduce_scatters = k if strategy.options["zero"] == 2 else 1
+        moved = sum(w.psi * (1 - 1 / w.ways["optimizer"]) for w in ctx.weights)
+        return {("reduce-scatter", "fsdp"): reduce_scatters * moved * ctx.reduce_bytes, ("all-gather", "fsdp"): moved * ctx.stored_bytes}
+    # lookup tables are read at their shards (``nn.embed_lookup``): instead of a gather and a
+    # reduce-scatter of the table, a gather of the group's token ids and an all-to-all of the
+    # looked-up rows each way
+    tokens = ctx.batch // (ctx.batch_shards * k) * ctx.held_length
+    out = dict.fromkeys((("all-gather", "fsdp"), ("reduce-scatter", "fsdp"), ("all-to-all", "fsdp")), 0.0)
+    for w in ctx.weights:
+        n = w.ways["param"]
+        share = (n - 1) / n
+        if w.table_width:
+            out[("all-gather", "fsdp")] += k * tokens * n * ID_BYTES * share
+            out[("all-to-all", "fsdp")] += 2 * k * tokens * w.table_width * share * ctx.compute_bytes
+        else:
+            gathers = 1 + (ctx.regather and w.layer)
+            out[("all-gather", "fsdp")] += k * gathers * w.psi * share * ctx.compute_bytes
+            out[("reduce-scatter", "fsdp")] += k * w.psi * share * ctx.reduce_bytes
+    return out

@@ -64,13 +64,8 @@ def rules(strategy, compute: dict, stored: dict):
 
 
 def traffic(strategy, ctx) -> dict:
-    g, p, k = ctx.mesh["fsdp_group"], ctx.mesh["fsdp"], ctx.microbatches
+    g, k = ctx.mesh["fsdp_group"], ctx.microbatches
     if g == 1:
         return {}
-    shard = ctx.psi / p * (g - 1) / g
+    shard = ctx.stored("param") * (g - 1) / g
     return {("reduce-scatter", "fsdp_group"): k * shard * ctx.reduce_bytes, ("all-gather", "fsdp_group"): shard * ctx.stored_bytes}
-
-
-def memory(strategy, mesh) -> dict:
-    g = mesh["fsdp_group"]
-    return {"optimizer": g, "gradient_accumulation": g} if g > 1 else {}

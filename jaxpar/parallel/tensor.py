@@ -70,10 +70,6 @@ def activation_bytes(ctx) -> float:
     return ctx.batch // ctx.batch_shards * ctx.held_length * ctx.model.embed * ctx.compute_bytes
 
 
-def memory(strategy, mesh) -> dict:
-    return {}  # the split is in the per-device weight count (ctx.psi): TP divides what it shards
-
-
 def report(layout, measured, cfg) -> dict | None:
     """Per layer of the forward pass, the all-reduces over the tensor axes and how many of them are
     blocking (no matmul can run while one is in flight: ``measured.blocking``); Megatron TP has 2,

@@ -107,7 +107,7 @@ def memory(step, strategy, cfg, rows: int, length: int, compute_dtype: str) -> d
     layout, m = step.layout, step.cfg.microbatches
     shape = layout.mesh.shape
     cb = jnp.dtype(compute_dtype).itemsize
-    state = memory_lib.zero_table(step, strategy)
+    state = memory_lib.zero_table(step)
     # kept for the backward pass; gathered again instead, only the layer in flight (its working set)
     kept = not (step.plan.regather or step.plan.schedule is not None)
     gathered = _gathered_weights(step) * cb if kept else 0.0

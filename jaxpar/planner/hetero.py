@@ -81,7 +81,7 @@ def _group_priced(pricer: Pricer, candidate: space.Candidate, kind: str, share: 
               for part, b in cost.memory(step, strategy, p.cfg, rows // step.layout.batch_shards, p.seq_len, p.compute_dtype).items()}
     bubble = step.plan.schedule.bubble_fraction() if step.plan.schedule is not None else 0.0
     t = cost.group_time(cfg, rows, p.seq_len, traffic, view, p.topology.num_chips, layout=step.layout,
-                        state=memory_lib.zero_table(step, strategy), remat=candidate.remat,
+                        state=memory_lib.zero_table(step), remat=candidate.remat,
                         microbatches=candidate.microbatches, attention=p.attention, compute_dtype=p.compute_dtype, bubble=bubble)
     cache[key] = (t, memory, traffic, view)
     return cache[key]

@@ -59,8 +59,8 @@ def reduction_plan(layout: Layout, names) -> ReductionPlan:
     parts: dict[str, list] = {}
     for part, src, dst in PARTS:
         parts[part] = []
-        for dim, n in enumerate(names):
-            new = tuple(a for a in layout.axes_of(n, dst) if a not in layout.axes_of(n, src) and a in pending)
+        for dim, (before, after) in enumerate(zip(layout.dim_axes(names, src), layout.dim_axes(names, dst))):
+            new = tuple(a for a in after if a not in before and a in pending)
             if new:
                 parts[part].append((dim, new))
                 pending = [a for a in pending if a not in new]
@@ -144,7 +144,7 @@ def global_norm(grads, layout: Layout, names: dict, skip=frozenset()):
     for path, g in flatten(grads).items():
         if path in skip:
             continue
-        axes = tuple(a for name in names[path] for a in layout.axes_of(name, "optimizer"))
+        axes = tuple(a for dim in layout.dim_axes(names[path], "optimizer") for a in dim)
         by_axes[axes] = by_axes.get(axes, 0.0) + jnp.sum(jnp.square(g))
     total = sum(jax.lax.psum(s, axes) if axes else s for axes, s in by_axes.items())
     return jnp.sqrt(total)

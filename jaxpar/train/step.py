@@ -124,7 +124,7 @@ class Trainer:
             one = jax.tree.map(lambda x: x[0], micro)
             jaxpr = jax.make_jaxpr(model_loss)(params, one)
             by_path = {tuple(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-            seeds = [tuple(frozenset(self.layout.axes_of(n, "param")) for n in self.names[p]) for p in by_path]
+            seeds = [tuple(map(frozenset, self.layout.dim_axes(self.names[p], "param"))) for p in by_path]
             seeds += [(frozenset(),) * x.ndim for x in jax.tree.leaves(one)]
             partial_sums.check(jaxpr, seeds, axes)
         self._sums_checked = True
@@ -186,7 +186,7 @@ class Trainer:
         several programs and reduces them once (data-centric parallel, ``train/dcp.py``). Only for
         layouts that store every weight whole (data and context axes)."""
         layout = self.layout
-        split = sorted({a for names in self.names.values() for name in names for a in layout.axes_of(name, "param")})
+        split = sorted({a for names in self.names.values() for axes in layout.dim_axes(names, "param") for a in axes})
         if split:
             raise LayoutError(f"local_grad_fn needs every weight stored whole, but this layout splits weights over {split}; "
                               f"use data and context axes only")

@@ -199,7 +199,7 @@ def traffic(strategy, ctx) -> dict:
     p, ring, model = ctx.mesh["block"], ctx.mesh["context"], ctx.model
     if not ctx.layout.role(BLOCKS):
         return {}
-    shard = ctx.psi / ctx.grad_shards * ctx.reduce_bytes
+    shard = ctx.all_reduced("block") * ctx.reduce_bytes
     n = ctx.mesh["data"] * ring * ctx.mesh["context_a2a"]
     out = {("all-reduce", "block"): data.grad_allreduce_bytes(shard, n * p) - data.grad_allreduce_bytes(shard, n)} if p > 1 else {}
     if ctx.layout.role(FETCH) and model is not None:

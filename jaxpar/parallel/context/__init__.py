@@ -226,7 +226,7 @@ def traffic(strategy, ctx) -> dict:
         return {}
     # the weights' gradients are summed over data and the context axes in one all-reduce: what
     # that adds to data's own (``data.traffic``)
-    shard = ctx.psi / ctx.grad_shards * ctx.reduce_bytes
+    shard = ctx.all_reduced("context") * ctx.reduce_bytes
     n = ctx.mesh["data"]
     out: dict = {("all-reduce", "context"): data.grad_allreduce_bytes(shard, n * ring * a2a) - data.grad_allreduce_bytes(shard, n)}
     if model is None:

@@ -5,14 +5,16 @@ data axis). Tokens travel to the devices that hold their experts and back (``exc
 on the wire), ``padded`` (its dense twin, for backends whose runtime lacks the ragged one: XLA:CPU),
 or ``auto`` (the default: by the devices' backend).
 
-It composes with data and FSDP (expert weights stored split over ``fsdp`` on their ``embed`` dim
-like every weight, gathered per layer), with tensor parallelism (expert-tensor: each expert's hidden
-width over ``tensor``), with context parallelism (each device routes the positions it holds) and with
-pipelines.
+It composes with data and FSDP, with tensor parallelism (expert-tensor: each expert's hidden width
+over ``tensor``), with context parallelism (each device routes the positions it holds) and with
+pipelines. Under ZeRO (``fsdp`` > 1) the weights outside the experts are stored split over
+``fsdp`` x ``expert`` (the axis is a data axis for them, as MaxText stores them), and the experts'
+weights over ``fsdp`` alone on their ``embed`` dim: each is gathered per layer from its own split.
 
 Gradients: an expert's weights live on one device of each ``expert`` group and the exchange's
 backward already brings it every token's cotangent, so they are never reduced over ``expert``;
-every other weight is, with the batch axes (one all-reduce over ``data`` x ``expert``).
+every other weight is: reduce-scattered over ``fsdp`` x ``expert`` where it is stored so, else
+all-reduced with the batch axes (one all-reduce over ``data`` x ``expert``).
 
 Traffic per MoE layer and device, with T tokens on a device, k experts per token, P devices and the
 slots of S rows (``exchange.slot_rows``) of embed width h in the compute dtype: the padded twin sends
@@ -20,14 +22,14 @@ slots of S rows (``exchange.slot_rows``) of embed width h in the compute dtype: 
 plus the counts once (P-1 x E/P int32). The ragged exchange puts only the copies that leave the
 device on the wire, (P-1)/P x T x k of them for even routing, each way (``wire_bytes``); its compiled
 program is bounded by the buffers it sends from, T x k rows out and P x S back (``layer_bytes``).
-The balance loss adds one all-reduce of 2E float32 per layer over the devices the tokens are split
-over (the routing bias alone: E, the copies per expert).
+The balance loss adds one all-reduce of 2E 32-bit sums per layer over the devices the tokens are
+split over, and E more for a recomputed forward (the routing bias alone: E, the copies per expert).
 """
 
 import math
 
 from jaxpar.errors import LayoutError, SpecError
-from jaxpar.parallel import data
+from jaxpar.parallel import data, fsdp
 from jaxpar.parallel.base import option_of
 from jaxpar.parallel.expert import exchange
 from jaxpar.parallel.expert.exchange import EXCHANGE, PADDED, RAGGED
@@ -60,6 +62,15 @@ def check_model(strategy, cfg, seq_len: int) -> None:
 def rules(strategy, compute: dict, stored: dict):
     if strategy.degrees.get("expert", 1) > 1:  # (a plain Flax model's own batch shardings name no expert axis it does not use)
         compute["batch"] = compute["batch"] + AXES
+        # where ZeRO splits the state over fsdp, the weights outside the experts are split over
+        # expert too (a data axis for them), next to fsdp so that a hierarchical ZeRO group's
+        # optimizer shard stays a piece of the weight's shard; the experts' own weights are
+        # computed split over expert already, so their storage leaves it out (``Layout.dim_axes``)
+        for rules_ in stored.values():
+            axes = rules_[fsdp.SHARDED_LOGICAL_AXIS]
+            if fsdp.AXES[0] in axes:
+                after = axes.index(fsdp.AXES[0]) + 1
+                rules_[fsdp.SHARDED_LOGICAL_AXIS] = axes[:after] + AXES + axes[after:]
     compute["experts"] = compute["experts"] + AXES  # the stored mappings inherit it
 
 
@@ -76,7 +87,7 @@ def traffic(strategy, ctx) -> dict:
     devices = math.prod(ctx.mesh[a] for a in layout.role(EXCHANGE))
     if devices == 1:
         return {}
-    shard = (ctx.psi - ctx.split_psi.get("expert", 0.0)) / ctx.grad_shards * ctx.reduce_bytes
+    shard = ctx.all_reduced("expert") * ctx.reduce_bytes
     n = ctx.mesh["data"]
     out = {("all-reduce", "expert"): data.grad_allreduce_bytes(shard, n * devices) - data.grad_allreduce_bytes(shard, n)}
     if model is None or not getattr(model, "experts", None):
@@ -86,12 +97,14 @@ def traffic(strategy, ctx) -> dict:
     forwards = 1 + (ctx.remat != "none")  # recomputation runs the forward's exchanges again
     for kind in forward:
         out[(kind, "expert")] = ctx.microbatches * model.layers * (forwards * forward[kind] + backward.get(kind, 0.0))
-    # each layer's balance sums over all tokens (float32): the copies per expert for the balance loss
-    # or the routing bias, the probabilities too for the balance loss
-    per_expert = 2 if model.balance_weight else 1 if model.bias_rate else 0
-    if per_expert:
+    # each layer's balance sums over all tokens (32-bit): the copies per expert for the balance
+    # loss or the routing bias, the probabilities too for the balance loss; a recomputed forward
+    # sums only the probabilities again (the backward pass keeps the integer copies)
+    copies, probs = bool(model.balance_weight or model.bias_rate), bool(model.balance_weight)
+    sums = copies + forwards * probs
+    if sums:
         tokens = math.prod(ctx.mesh.values()) // ctx.mesh.get("stage", 1)
-        out[("all-reduce", "expert")] += ctx.microbatches * model.layers * forwards * data.grad_allreduce_bytes(per_expert * model.experts * 4, tokens)
+        out[("all-reduce", "expert")] += ctx.microbatches * model.layers * data.grad_allreduce_bytes(sums * model.experts * 4, tokens)
     return out
 
 

@@ -66,10 +66,6 @@ def traffic(strategy, ctx) -> dict:
         activation = rows * ctx.length // ways("residual_length") * ctx.model.embed * ctx.compute_bytes
         out[("collective-permute", "stage")] = 2 * schedule.microbatches * schedule.chunks * activation
     # the gathers' backward has reduce-scattered the edge gradients over the axes weights are stored on
-    edge = (ctx.psi - ctx.layer_psi) / ctx.stored_shards
+    edge = ctx.stored("param", layers=False)
     out[("all-reduce", "stage")] = data.grad_allreduce_bytes(edge * ctx.reduce_bytes, schedule.stages)
     return out
-
-
-def memory(strategy, mesh) -> dict:
-    return {}  # the split is in the per-device weight count (ctx.psi): a stage holds its own layers
