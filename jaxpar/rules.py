@@ -166,12 +166,11 @@ class Layout:
         compute mapping splits another dim of the same tensor over: an expert weight, computed split
         over ``expert`` on its ``experts`` dim, is not stored split over it again on ``embed``,
         where the other weights are (``parallel/expert``)."""
-        dims = [self.axes_of(name, mapping) for name in names]
+        dims = tuple(self.axes_of(name, mapping) for name in names)
         if mapping == "compute":
-            return tuple(dims)
-        computed = [self.axes_of(name) for name in names]
-        taken = lambda dim: {a for other, axes in enumerate(computed) if other != dim for a in axes}  # noqa: E731
-        return tuple(tuple(a for a in axes if a not in taken(dim)) for dim, axes in enumerate(dims))
+            return dims
+        computed_on = {a: dim for dim, name in enumerate(names) for a in self.axes_of(name)}
+        return tuple(tuple(a for a in axes if computed_on.get(a, dim) == dim) for dim, axes in enumerate(dims))
 
     def sharding(self, names: Names | None, mapping: str = "compute", shape=None, what: str = "tensor") -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(names, mapping, shape, what))
