@@ -140,7 +140,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
         "fsdp_policy": {"regather": trainer.plan.regather, "reason": trainer.plan.regather_reason},
         "batch_size": batch_size,
         "seq_len": seq_len,
-        "memory_per_chip": _memory_per_chip(compiled.memory_analysis(), topology, trainer, strategy),
+        "memory_per_chip": _memory_per_chip(compiled.memory_analysis(), topology, trainer),
         "collectives": by_link,
         # by kind against the strategies' formulas (a ragged all-to-all: the buffers that bound it)
         "communication": traffic.compare(compiled.as_text(), trainer, strategy, (batch_size, model_length), model_cfg),
@@ -186,7 +186,7 @@ def _attention_for(asked: str, target: Target, seq_len: int, strategy) -> str:
     return "splash" if splash else "blockwise"
 
 
-def _memory_per_chip(stats, topology: Topology, trainer, strategy) -> dict:
+def _memory_per_chip(stats, topology: Topology, trainer) -> dict:
     """The compiled step's memory per chip (XLA's memory analysis), its peak against HBM, and the
     state as stored (the ZeRO table)."""
     peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes

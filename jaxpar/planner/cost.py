@@ -102,7 +102,7 @@ def group_time(cfg, rows: int, length: int, traffic: dict, view, chips: int, *, 
                      est.model_flops, chips * view.peak_bf16_flops)
 
 
-def memory(step, strategy, cfg, rows: int, length: int, compute_dtype: str) -> dict[str, float]:
+def memory(step, cfg, rows: int, length: int, compute_dtype: str) -> dict[str, float]:
     """Predicted bytes per device by part (the module doc); their sum is the predicted peak."""
     layout, m = step.layout, step.cfg.microbatches
     shape = layout.mesh.shape

@@ -105,10 +105,10 @@ class Pricer:
         return strategy, PlannedStep(layout, cfg, p.shapes, candidate.regather, schedule)
 
     def memory(self, candidate: space.Candidate) -> dict:
-        strategy, step = self.step(candidate)
+        _, step = self.step(candidate)
         p = self.problem
         rows = p.batch // step.layout.batch_shards
-        return cost.memory(step, strategy, p.cfg, rows, p.seq_len, p.compute_dtype)
+        return cost.memory(step, p.cfg, rows, p.seq_len, p.compute_dtype)
 
     def price(self, candidate: space.Candidate, memory: dict | None = None) -> Priced:
         """``candidate`` on a one-kind topology (``hetero.price`` prices one across groups)."""
