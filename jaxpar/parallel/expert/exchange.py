@@ -9,8 +9,10 @@ by expert (``experts.dispatch``: the copies for device j's experts are then one 
 2. sends each device its segment: the ragged exchange (``jax.lax.ragged_all_to_all``, only the
    copies themselves on the wire) where the backend runs it, or the padded twin (one dense
    all-to-all of P slots of S rows, S the most copies a device can send another) where it does not
-   (XLA:CPU); either way source s's copies land in slot s of a (P x S, embed) buffer;
-3. groups what it received by its own experts and runs their SwiGLUs as grouped matmuls;
+   (XLA:CPU). Both land in a (P x S, embed) buffer: the padded twin puts source s's copies in slot
+   s, the ragged exchange packs the sources' copies one after another;
+3. groups what it received by its own experts (with one expert per device the packed rows are its
+   group already) and runs their SwiGLUs as grouped matmuls;
 4. sends the outputs back the way they came (the reverse exchange), where ``experts.combine``
    weighs each token's copies together.
 
@@ -61,13 +63,6 @@ def slot_rows(tokens: int, top_k: int, local_experts: int, rows: int, capacity: 
     return most if capacity is None else min(most, rows * capacity * local_experts)
 
 
-def _index(axes) -> jax.Array:
-    index = 0
-    for axis in axes:
-        index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
-    return index
-
-
 def mixture(x, kept, weights, w_gate, w_up, w_down, num_experts: int, axes: tuple, ragged: bool, slot: int,
             kernel: str = "ragged_dot"):
     """The mixture's output (tokens, embed) for this device's tokens ``x`` (tokens, embed), their
@@ -83,12 +78,14 @@ def mixture(x, kept, weights, w_gate, w_up, w_down, num_experts: int, axes: tupl
     starts = jnp.cumsum(sends) - sends
     received = jax.lax.all_to_all(per_device, axes, 0, 0, tiled=True)  # (source, my expert): copies coming
     if ragged:
-        inbox = _ragged_out(copies, sends, starts, received, axes, slot)
+        firsts = _packed_firsts(received)
+        inbox = _ragged_out(copies, sends, starts, received, firsts, axes, slot)
     else:
+        firsts = jnp.arange(devices) * slot
         inbox, place = _padded_out(copies, kept, order, starts, local, devices, axes, slot)
-    outputs = _run_experts(inbox, received, w_gate, w_up, w_down, kernel)
+    outputs = _run_experts(inbox, received, firsts, ragged, w_gate, w_up, w_down, kernel)
     if ragged:
-        back = _ragged_back(outputs, sends, starts, received, axes, slot, copies.shape[0])
+        back = _ragged_back(outputs, sends, starts, received, firsts, axes, copies.shape[0])
     else:
         back = _padded_back(outputs, place, devices, axes, slot)
     return experts.combine(back, order, weights)
@@ -109,33 +106,48 @@ def _padded_back(outputs, place, devices, axes, slot):
     return back.at[device, row].get(mode="fill", fill_value=0)
 
 
-def _ragged_out(copies, sends, starts, received, axes, slot):
+def _packed_firsts(received) -> jax.Array:
+    """The row where each source's copies start in this device's ragged inbox: the sources' copies
+    packed one after another, so that with one local expert they are already its one group (Mixtral-8x7B
+    on v5p-512: no permutation of the 32768 x 4096 inbox, whose row gather and scatter XLA:TPU runs
+    on 32-bit copies of it)."""
+    totals = jnp.sum(received, axis=1)
+    return (jnp.cumsum(totals) - totals).astype(jnp.int32)
+
+
+def _ragged_out(copies, sends, starts, received, firsts, axes, slot):
     devices = received.shape[0]
     # the buffers the copies land in are typed as varying as what lands in them: else the backward
     # pass sums their (discarded) cotangents over every device, whole buffers at a time
     inbox = vary_over(jnp.zeros((devices * slot, copies.shape[1]), copies.dtype), varying_axes(copies))
-    landing = jnp.full((devices,), _index(axes) * slot, jnp.int32)  # slot s of every receiver is source s's
+    # where this device's copies start in each receiver's inbox: the receivers' own packed firsts
+    landing = jax.lax.all_to_all(firsts.reshape(devices, 1), axes, 0, 0, tiled=True).reshape(devices)
     return jax.lax.ragged_all_to_all(copies, inbox, starts.astype(jnp.int32), sends.astype(jnp.int32), landing,
                                      jnp.sum(received, axis=1).astype(jnp.int32), axis_name=axes)
 
 
-def _ragged_back(outputs, sends, starts, received, axes, slot, copies: int):
+def _ragged_back(outputs, sends, starts, received, firsts, axes, copies: int):
     devices = received.shape[0]
     their_starts = jax.lax.all_to_all(starts.reshape(devices, 1), axes, 0, 0, tiled=True).reshape(devices)
     home = vary_over(jnp.zeros((copies, outputs.shape[1]), outputs.dtype), varying_axes(outputs))
-    return jax.lax.ragged_all_to_all(outputs, home, (jnp.arange(devices) * slot).astype(jnp.int32),
+    return jax.lax.ragged_all_to_all(outputs, home, firsts,
                                      jnp.sum(received, axis=1).astype(jnp.int32), their_starts.astype(jnp.int32),
                                      sends.astype(jnp.int32), axis_name=axes)
 
 
-def _run_experts(inbox, received, w_gate, w_up, w_down, kernel: str):
+def _run_experts(inbox, received, firsts, packed: bool, w_gate, w_up, w_down, kernel: str):
     """The SwiGLUs of this device's experts on the received copies ``inbox`` (P x S, embed), back in
-    the inbox's rows (zero where a slot is empty)."""
-    devices, local = received.shape
-    slot = inbox.shape[0] // devices
-    ends = jnp.cumsum(received, axis=1)  # (source, my expert): end of each expert's rows in a slot
-    rows = jnp.arange(slot)
-    expert = jax.vmap(lambda e: jnp.searchsorted(e, rows, side="right"))(ends)  # local for padding rows
-    order = jnp.argsort(expert.reshape(-1), stable=True)
-    outputs = experts.experts_mlp(jnp.take(inbox, order, axis=0), jnp.sum(received, axis=0), w_gate, w_up, w_down, kernel)
+    the inbox's rows (zero where no copy landed); source s's copies start at row ``firsts[s]``,
+    sorted by this device's experts, and ``packed``: each source's right after the one before."""
+    local = received.shape[1]
+    counts = jnp.sum(received, axis=0)
+    if packed and local == 1:
+        return experts.experts_mlp(inbox, counts, w_gate, w_up, w_down, kernel)
+    ends = (firsts[:, None] + jnp.cumsum(received, axis=1)).reshape(-1)  # (source, expert) segments' ends
+    rows = jnp.arange(inbox.shape[0])
+    segment = jnp.searchsorted(ends, rows, side="right")
+    inside = (segment < ends.shape[0]) & (rows >= jnp.take(ends - received.reshape(-1), segment, mode="clip"))
+    expert = jnp.where(inside, segment % local, local)  # rows no copy landed in go last
+    order = jnp.argsort(expert, stable=True)
+    outputs = experts.experts_mlp(jnp.take(inbox, order, axis=0), counts, w_gate, w_up, w_down, kernel)
     return jnp.zeros_like(outputs).at[order].set(outputs)
