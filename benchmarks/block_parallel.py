@@ -3,7 +3,8 @@
     python benchmarks/block_parallel.py [--steps 6] [--seq-len 256] [--skip-cpu]
 
 1. Measured, 8 simulated CPU devices: ``bd3lm-tiny`` on the same batches of the corpus under CP
-   (``context=8``), BP (``block=8``) and CSBP (``block=8,context=2|4``), and a sliding-window model
+   (``context=8``), BP (``block=8``), matched CSBP (``block=8,context=8``) and CSBP with more devices
+   than ring ranks (``block=8,context=4|2``), and a sliding-window model
    (``--window``) under CP and CSBP with ``clean_kv=fetch``: the median step time after the
    compile, the bytes each device sends per step by kind (from the compiled program) and the
    attention work imbalance (max / mean query-key pairs per device). The simulated devices share
@@ -47,7 +48,7 @@ PAPER = {"tpu": "1.61x on 16 H200", "gpu": "7.59x on 8 H100"}  # BP/CSBP over CP
 
 def cpu_rows(steps: int, seq_len: int, block_size: int, window: int):
     tiny = dataclasses.replace(bd3lm.CONFIGS["bd3lm-tiny"], block_size=block_size)
-    cases = [("context=8", tiny), ("block=8", tiny), ("block=8,context=2", tiny), ("block=8,context=4", tiny),
+    cases = [("context=8", tiny), ("block=8", tiny), ("block=8,context=8", tiny), ("block=8,context=4", tiny), ("block=8,context=2", tiny),
              ("context=8", dataclasses.replace(tiny, window=window)),
              ("block=8,context=4,clean_kv=fetch", dataclasses.replace(tiny, window=window))]
     tokens = data.corpus_tokens(200_000)
@@ -89,18 +90,21 @@ def layer_estimate(cfg, length: int, topology, devices: int, strategy: str):
     weights, gradients and two Adam moments), each layer's bf16 input kept for the backward pass
     (remat full) and one layer's working set (its input, q/k/v/out and the MLP's three activations,
     bf16; the attention itself flash-like, linear in the tokens)."""
-    degrees = parse_strategy(strategy, devices).degrees
-    ranks, ring = degrees["block"] * degrees["context"], degrees["context"]
-    if degrees["block"] > 1:
-        held = length // ranks + length // ring
+    parsed = parse_strategy(strategy, devices)
+    ranks, ring = parsed.written_degrees["block"], parsed.degrees["context"]
+    if ranks > 1:
+        # BP: the noisy blocks and the clean prefix; CSBP: 2L / P tokens, the clean half travelling
+        held = length // ranks + (block_parallel.clean_prefix(length, cfg.block_size) if ring == 1 else length // ranks)
         pairs = block_parallel.attention_work(length, cfg.block_size, ranks, ring, cfg.window).max()
-        moving = length if ring > 1 else 0  # the clean half travels the ring
+        moving = length if ring > 1 else 0
     else:
         held = 2 * length // ring
         pairs = device_pairs(length, cfg.block_size, cfg.window, 1, ring).max()
         moving = 2 * length  # the whole [x_t ; x_0]
     kv = moving * cfg.kv_heads * cfg.head_dim * 2 * 2  # K and V, bf16
     sent = 2 * (ring - 1) / ring * kv + 2 * kv if ring > 1 else 0.0  # forward, backward, float32 K/V gradients home
+    group = ranks // ring if ranks > 1 else 1  # CSBP with P > C: a rank's pieces all-gathered (twice: remat) and reduce-scattered
+    sent += 3 * (group - 1) / group * kv / ring
     weights = 2 * cfg.embed * cfg.heads * cfg.head_dim + 2 * cfg.embed * cfg.kv_heads * cfg.head_dim + 3 * cfg.embed * cfg.mlp
     flops = 3 * (2 * held * weights + 4 * pairs * cfg.heads * cfg.head_dim)  # forward, backward twice
     compute = flops / (topology.peak_bf16_flops * roofline.matmul_efficiency(topology.chip))
@@ -134,7 +138,7 @@ def main():
               f"(the paper: {PAPER[topology.platform]})")
         print(f"{'tokens':>7s} {'strategy':22s} {'held':>8s} {'pairs (max)':>14s} {'K/V sent':>12s} {'ms':>8s} {'vs CP':>6s} {'memory':>9s}")
         for length in (32_768, 65_536, 131_072):
-            layouts = [f"context={devices}", f"block={devices}", f"block={devices},context={ring}"]
+            layouts = [f"context={devices}", f"block={devices}", f"block={devices},context={devices}", f"block={devices},context={ring}"]
             rows = [(s, layer_estimate(cfg, length, topology, devices, s)) for s in layouts]
             cp = rows[0][1][3]
             for s, (held, pairs, sent, seconds, memory) in rows:

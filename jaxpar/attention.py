@@ -157,7 +157,8 @@ class Indices:
 
     Under a context-parallel ring, ``kv_ring`` (ring size, m) gives the places of the m keys each
     ring rank holds and sends round; ``kv`` then places only the keys before them, which stay on
-    this device (its keys are [those ; its m ring keys]). Block parallelism over a ring (CSBP)
+    this device (its keys are [those ; its m ring keys], or a piece of the m where several devices
+    share a ring rank: ``split_attention.RING_PIECES``). Block parallelism over a ring (CSBP)
     keeps its noisy blocks' keys and sends the clean ones. ``kv_fetch`` instead fetches, in one
     all-to-all over the context axis, the keys this device's queries may see (``Fetch``; ``kv``
     places all its own keys): CSBP under a sliding window."""
@@ -334,6 +335,9 @@ def _check(q, k, v, mask: Mask):
     if mask.indices is not None:
         ring = mask.indices.kv_ring
         got = (tuple(mask.indices.q.shape), (mask.indices.kv.shape[0] + (0 if ring is None else ring.shape[1]),))
+        piece = k.shape[1] - mask.indices.kv.shape[0]  # this device's piece of its ring rank's keys (RING_PIECES)
+        if ring is not None and 0 < piece and ring.shape[1] % piece == 0:
+            got = (got[0], (k.shape[1],))
         if got != ((q.shape[1],), (k.shape[1],)):
             raise JaxparError(f"token places (Mask.at) of shapes {got[0]} (q) and {got[1]} (kv); expected {(q.shape[1],)} and {(k.shape[1],)}: one per position")
 

@@ -26,6 +26,8 @@ from jaxpar.train import data
 from jaxpar.models import model_config
 from jaxpar.run import check_model_axes
 from jaxpar.train.step import Trainer
+from jaxpar.report import step_report
+from jaxpar.parallel.block import summary as block_summary
 from tests.test_equivalence import CFG, OPTIMIZER, STEPS, assert_same, oracle, sharded
 
 ROWS, LENGTH, BLOCK_SIZE = 16, 64, 4  # 16 blocks per row: block=8 gives each device one pair
@@ -63,12 +65,14 @@ def trained(strategy, model_fn=diffusion_model):
 
 def compiled_collectives(trainer):
     example = trainer.abstract_batch(ROWS, LENGTH, fields=bd3lm.FAMILY.batch_fields(LENGTH))
-    return hlo.collectives(trainer._step.lower(trainer.abstract_state(), example).compile().as_text(), trainer.layout.mesh)
+    step = trainer._step or trainer.jit_step(example)  # the program that ran, or compiled here
+    return hlo.collectives(step.lower(trainer.abstract_state(), example).compile().as_text(), trainer.layout.mesh)
 
 
 @pytest.mark.parametrize("strategy, model_fn", [
     *[(s, diffusion_model) for s in ("block=2,data=4", "block=4,data=2", "block=8")],  # BP
-    *[(s, diffusion_model) for s in ("block=4,context=2,data=2", "block=8,context=4", "block=2,context=2,fsdp=2,tensor=2")],  # CSBP
+    *[(s, diffusion_model) for s in ("block=4,context=4,data=2", "block=8,context=8")],  # matched CSBP
+    *[(s, diffusion_model) for s in ("block=4,context=2,data=2", "block=8,context=4", "block=2,context=2,fsdp=2,tensor=2")],  # CSBP, P > C
     ("block=8,context=4,clean_kv=fetch", windowed_model),  # CSBP under a sliding window, fetched in one all-to-all
     ("context=4,fsdp=2", diffusion_model),  # context parallelism, the baseline
 ], ids=lambda x: x if isinstance(x, str) else x.__name__)
@@ -93,9 +97,11 @@ def test_every_device_does_the_same_attention_work(ranks, ring):
     assert work.max() - work.min() <= BLOCK_SIZE * BLOCK_SIZE, work
     np.testing.assert_array_equal(block_parallel.attention_work(LENGTH, BLOCK_SIZE, ranks, ring), work)  # the report's count
     # together the devices ask every noisy query's attention of the whole mask once, and the clean
-    # queries' once per copy of the clean half (P / C copies)
+    # queries': on a ring once (a rank's P / C devices each hold a piece of its share), without one
+    # on every device, up to the last clean block, which no noisy block reads
     whole = np.asarray(mask.dense(2 * LENGTH, 2 * LENGTH))[0]
-    assert work.sum() == whole[:LENGTH].sum() + ranks // ring * whole[LENGTH:].sum()
+    clean = whole[LENGTH:].sum() if ring > 1 else ranks * whole[LENGTH:2 * LENGTH - BLOCK_SIZE].sum()
+    assert work.sum() == whole[:LENGTH].sum() + clean
 
 
 def test_only_the_gradient_all_reduce_crosses_the_block_axis():
@@ -109,22 +115,93 @@ def test_only_the_gradient_all_reduce_crosses_the_block_axis():
     assert 0 <= sum(c.operand_bytes * c.executions for c in gradients) - MODEL.num_params() * 4 <= 8
 
 
-def test_the_ring_carries_only_clean_keys_and_values_as_its_formula_says():
-    # CSBP, P = 8 devices own noisy blocks, the clean half over a ring of C = 4: every collective-permute
-    # moves one ring rank's clean keys or values (or their gradients), L / C positions, never the
-    # N / P noisy blocks' L / P (by shape), over `context` only (by the replica groups)
-    ranks, ring = 8, 4
-    cols = compiled_collectives(trained(f"block={ranks},context={ring}")[0])
-    permutes = [c for c in cols if c.kind == "collective-permute"]
-    assert {c.mesh_axes for c in permutes} == {("context",)}
-    clean_share = ROWS * LENGTH // ring * MODEL.kv_heads * MODEL.head_dim * 4  # one of K or V, float32
-    assert {c.operand_bytes for c in permutes} == {clean_share}
+def ring_permutes(cols):
+    return [c for c in cols if c.kind == "collective-permute"]
+
+
+def clean_ring_bytes_per_layer(ring: int, travelling: int) -> float:
+    """The ring's formula for ``travelling`` tokens of every row split over ``ring`` ranks, float32
+    K/V: forward (C-1)/C of the K/V, backward the same again plus the float32 K/V gradients, C hops
+    of 1/C (the last one home)."""
+    kv = 2 * ROWS * travelling * MODEL.kv_heads * MODEL.head_dim * 4
+    return 2 * (ring - 1) / ring * kv + kv
+
+
+@pytest.mark.parametrize("ranks, ring", [(4, 4), (8, 8), (8, 4), (8, 2)])
+def test_each_device_holds_2l_over_p_tokens_and_each_clean_token_is_computed_once(ranks, ring):
+    # CSBP: every device holds its N/P noisy blocks and L/P clean tokens; across the P devices each
+    # noisy and each clean place is held once (with P > C a ring rank's share is split over its P/C
+    # devices, not recomputed on each), and a rank's pieces put side by side are its ring share
+    places = block_parallel.held_places(LENGTH, BLOCK_SIZE, ranks, ring)
+    assert places.shape == (ranks, 2 * LENGTH // ranks)
+    assert sorted(places.ravel().tolist()) == list(range(2 * LENGTH))
+    share = block_parallel.clean_places(LENGTH, ring, ranks // ring)
+    for rank in range(ring):
+        np.testing.assert_array_equal(places[rank::ring, LENGTH // ranks:].ravel(), share[rank])
+    # pure BP: the clean half up to the last block, which no noisy block reads, on every device
+    pure = block_parallel.held_places(LENGTH, BLOCK_SIZE, ranks)
+    np.testing.assert_array_equal(pure[:, LENGTH // ranks:], np.broadcast_to(np.arange(LENGTH, 2 * LENGTH - BLOCK_SIZE), (ranks, LENGTH - BLOCK_SIZE)))
+
+
+def test_matched_csbp_sends_only_clean_keys_and_values_half_of_context_parallelism():
+    # block=8,context=8: every collective-permute moves one ring rank's clean K or V (or their
+    # gradients), L / P positions, over `context` only; the noisy blocks' K/V never travel (no other
+    # collective but the gradient all-reduce); per layer the clean ring's formula, and against
+    # context=8 of the same model and batch ([x_t ; x_0] over the ring) at most 0.55x the bytes
+    ranks = 8
+    cols = compiled_collectives(trained(f"block={ranks},context={ranks}")[0])
     assert {c.kind for c in cols} == {"collective-permute", "all-reduce"}
-    # per layer: forward (C-1)/C of the clean K/V, backward the same again plus the float32 K/V
-    # gradients, C hops of 1/C (the last one home)
-    clean_kv = 2 * ROWS * LENGTH * MODEL.kv_heads * MODEL.head_dim * 4
-    per_layer = 2 * (ring - 1) / ring * clean_kv + clean_kv
-    assert sum(c.bytes_per_step for c in permutes) == pytest.approx(MODEL.layers * per_layer, rel=1e-9)
+    permutes = ring_permutes(cols)
+    assert {c.mesh_axes for c in permutes} == {("context",)}
+    assert {c.operand_bytes for c in permutes} == {ROWS * LENGTH // ranks * MODEL.kv_heads * MODEL.head_dim * 4}
+    csbp = sum(c.bytes_per_step for c in permutes)
+    assert csbp == pytest.approx(MODEL.layers * clean_ring_bytes_per_layer(ranks, LENGTH), rel=1e-9)
+    cp = Trainer(build_layout(parse_strategy(f"context={ranks}", 8)), diffusion_model, bd3lm.loss_fn, CFG, optimizer=OPTIMIZER)
+    cp_bytes = sum(c.bytes_per_step for c in ring_permutes(compiled_collectives(cp)))
+    assert cp_bytes == pytest.approx(MODEL.layers * clean_ring_bytes_per_layer(ranks, 2 * LENGTH), rel=1e-9)
+    assert csbp <= 0.55 * cp_bytes, (csbp, cp_bytes)
+
+
+def test_with_more_devices_than_ring_ranks_the_pieces_are_gathered_not_recomputed():
+    # block=8,context=4: the ring carries each rank's clean share (L / C positions) as under
+    # matched CSBP; a rank's 2 devices first all-gather their pieces' K/V over `block` (again under
+    # remat) and reduce-scatter the gradients back: (G-1)/G of the share's K and V, G = P / C
+    ranks, ring = 8, 4
+    trainer = trained(f"block={ranks},context={ring}")[0]
+    cols = compiled_collectives(trainer)
+    permutes = ring_permutes(cols)
+    assert {c.mesh_axes for c in permutes} == {("context",)}
+    assert {c.operand_bytes for c in permutes} == {ROWS * LENGTH // ring * MODEL.kv_heads * MODEL.head_dim * 4}
+    assert sum(c.bytes_per_step for c in permutes) == pytest.approx(MODEL.layers * clean_ring_bytes_per_layer(ring, LENGTH), rel=1e-9)
+    pieces = {kind: [c for c in cols if c.kind == kind] for kind in ("all-gather", "reduce-scatter")}
+    assert {c.mesh_axes for kind in pieces for c in pieces[kind]} == {("block",)}
+    group = ranks // ring
+    moved = MODEL.layers * (group - 1) / group * 2 * ROWS * LENGTH // ring * MODEL.kv_heads * MODEL.head_dim * 4
+    forwards = 1 + (trainer.cfg.remat != "none")
+    assert sum(c.bytes_per_step for c in pieces["all-gather"]) == pytest.approx(forwards * moved, rel=1e-9)
+    assert sum(c.bytes_per_step for c in pieces["reduce-scatter"]) == pytest.approx(moved, rel=1e-9)
+    assert {c.kind for c in cols} == {"collective-permute", "all-gather", "reduce-scatter", "all-reduce"}
+
+
+def test_the_report_gives_tokens_per_device_clean_kv_against_context_parallelism_and_work():
+    # the strategy's section of `jaxpar train`'s report, on the program that ran (block=8,context=4)
+    ranks, ring = 8, 4
+    strategy = f"block={ranks},context={ring}"
+    trainer = trained(strategy)[0]
+    example = trainer.abstract_batch(ROWS, LENGTH, fields=bd3lm.FAMILY.batch_fields(LENGTH))
+    compiled = trainer._step.lower(trainer.abstract_state(), example).compile()
+    bp = step_report(trainer, compiled, parse_strategy(strategy, 8), MODEL, (ROWS, 2 * LENGTH))["block"]
+    assert bp["tokens_per_device"] == 2 * LENGTH // ranks
+    kv = bp["clean_kv_per_layer"]
+    assert kv["measured_bytes"] == pytest.approx(clean_ring_bytes_per_layer(ring, LENGTH), rel=1e-9) == kv["formula_bytes"]
+    assert kv["context_parallel_bytes"] == pytest.approx(clean_ring_bytes_per_layer(ranks, 2 * LENGTH), rel=1e-9)
+    assert bp["imbalance"] == pytest.approx(max(bp["attention_work_per_device"]) / np.mean(bp["attention_work_per_device"]))
+    assert bp["imbalance"] < 1.05
+    assert bp["other_bytes_over_block_axes"] == 0  # the pieces' gathers are clean K/V, counted apart
+    forwards = 1 + (trainer.cfg.remat != "none")  # the all-gathers (again under remat), the reduce-scatter
+    assert bp["clean_pieces_bytes_per_layer"] == pytest.approx(
+        (forwards + 1) * (ranks // ring - 1) / (ranks // ring) * 2 * ROWS * LENGTH // ring * MODEL.kv_heads * MODEL.head_dim * 4, rel=1e-9)
+    assert "context=8 would send" in "\n".join(block_summary(bp))
 
 
 def test_a_sliding_window_fetches_only_the_clean_tokens_its_blocks_read():

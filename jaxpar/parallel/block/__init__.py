@@ -5,24 +5,30 @@ A BD3-LM reads [x_t ; x_0]: N noisy blocks, each denoised from itself and the cl
 it, and the clean sequence, block-causal. Under BP every device of the ``block`` axis owns N / P
 whole noisy blocks of every row of its batch shard, in dual-end pairs (block i with block N-1-i:
 a pair sees N+1 blocks' keys whatever i, so every device does the same attention work), and
-computes the whole clean half itself: the clean keys and values its blocks read are its own, and
+computes the clean half itself: the clean keys and values its blocks read are its own, and
 nothing but the weights' gradients crosses ``block``. Which blocks a device owns and how its
 share of a row is cut are in this folder's ``blocks.py``.
 
 The layout: ``length`` and ``residual_length`` are split over ``block`` (a device holds its
-noisy blocks then the clean half: N/P + N blocks of every row), so the loss and the weights'
-gradients are summed over ``block`` as over the batch axes (``Layout.loss_axes``); the batch's
-rows reach every device of a ``block`` group whole. Per device and step the only traffic is that
-gradient all-reduce, which ``block`` joins (a ring all-reduce over data x block instead of data).
-The clean half's work is repeated on every device: the price of sending no keys and values.
+noisy blocks then the clean half), so the loss and the weights' gradients are summed over
+``block`` as over the batch axes (``Layout.loss_axes``); the batch's rows reach every device of a
+``block`` group whole. Per device and step the only traffic is that gradient all-reduce, which
+``block`` joins (a ring all-reduce over data x block instead of data). The clean half's work is
+repeated on every device, the price of sending no keys and values, but only up to the last block
+a noisy block reads: N/P + N-1 blocks of every row (``blocks.clean_prefix``).
 
 CSBP, ``block=P,context=C`` (P a multiple of C; P devices in all): the clean half is split over
-the ``context`` ring in zigzag chunks as under context parallelism, so a device holds its N/P noisy
-blocks and L/C clean tokens. The noisy blocks are still owned by all P devices (the mesh axes
-``block`` of P/C and ``context`` of C together, context inner); the clean keys and values travel
-the ring (``parallel/context/split_attention.py``, at given places), the noisy ones never leave
-their device. Per layer and device the ring sends (C-1)/C of the clean K/V forward, and backward
-the same again plus the clean K/V gradients in float32, C hops of 1/C.
+the ``context`` ring in zigzag chunks as under context parallelism, and each ring rank's share
+over its P/C devices, so a device holds 2L/P tokens: its N/P noisy blocks and L/P clean tokens.
+The noisy blocks are owned by all P devices (the mesh axes ``block`` of P/C and ``context`` of C
+together, context inner). ``block=P,context=P`` is the matched CSBP: the clean keys and values
+travel the ring (``parallel/context/split_attention.py``, at given places), the noisy ones never
+leave their device. Per layer and device the ring sends (C-1)/C of the clean K/V forward, and
+backward the same again plus the clean K/V gradients in float32, C hops of 1/C: against context
+parallelism of [x_t ; x_0] over P devices, half the tokens travel. With P > C each clean token is
+still computed once: the P/C devices of a ring rank all-gather their pieces' K/V over ``block``
+before the ring ((P/C-1)/(P/C) of the rank's share, again under remat) and reduce-scatter the
+gradients back (``split_attention.RING_PIECES``); none of them recomputes another's.
 
 ``clean_kv=fetch`` (for a model with a sliding window, where a block reads W/B clean blocks):
 instead of the ring, each device fetches, in one all-to-all over ``context``, the clean tokens its
@@ -37,8 +43,8 @@ from jaxpar.errors import LayoutError, SpecError
 from jaxpar.mesh import divisors
 from jaxpar.parallel import data
 from jaxpar.parallel.base import option_of
-from jaxpar.parallel.block.blocks import BLOCKS, attention_work, check_degree, fetch_plan
-from jaxpar.parallel.context.split_attention import FETCH, RING, SHARES
+from jaxpar.parallel.block.blocks import BLOCKS, attention_work, check_degree, fetch_plan, held_places
+from jaxpar.parallel.context.split_attention import FETCH, RING, RING_PIECES, SHARES
 
 AXES = ("block",)
 NEEDS_MODEL = "it splits a block diffusion model's noisy blocks (e.g. --model bd3lm-tiny)"
@@ -121,7 +127,9 @@ def roles(strategy) -> dict[str, tuple[str, ...]]:
     in the loss; under clean_kv=fetch the context axis the clean keys are fetched over."""
     blocks = AXES + (("context",) if _ranks(strategy) > 1 else ())
     fetch = ("context",) if strategy.options["clean_kv"] == "fetch" else ()
-    return {BLOCKS: blocks, SHARES: blocks, FETCH: fetch}
+    csbp = strategy.degrees["context"] > 1 and not fetch
+    pieces = AXES if csbp and strategy.degrees["block"] > 1 else ()  # P > C: the clean share split, all-gathered
+    return {BLOCKS: blocks, SHARES: blocks, FETCH: fetch, RING_PIECES: pieces}
 
 
 def check_model(strategy, cfg, seq_len: int):
@@ -167,25 +175,51 @@ def report(layout, measured, cfg) -> dict | None:
     moved = "all-to-all" if fetch else "collective-permute"  # the fetch, or the ring
     clean = measured.communication.get(moved, {"measured_bytes": 0.0, "optimal_bytes": 0.0})
     clean_ring = (moved, tuple(layout.role(RING)))
+    pieces = [c for c in measured.collectives if c.kind in ("all-gather", "reduce-scatter") and layout.role(RING_PIECES)
+              and c.mesh_axes == tuple(layout.role(RING_PIECES))]
     others = sum(c.bytes_per_step for c in measured.collectives if set(c.mesh_axes) & set(layout.role(BLOCKS))
-                 and c.kind != "all-reduce" and (c.kind, c.mesh_axes) != clean_ring)
+                 and c.kind != "all-reduce" and (c.kind, c.mesh_axes) != clean_ring and c not in pieces)
     length = measured.length
     work = attention_work(length // 2, cfg.block_size, ranks, ring, cfg.window, fetch)
+    ring_permutes = [c for c in measured.collectives if c.kind == "collective-permute" and c.mesh_axes == tuple(layout.role(RING))]
     return {"ranks": ranks, "ring": ring, "noisy_blocks_per_device": length // 2 // cfg.block_size // ranks,
+            "tokens_per_device": int(held_places(length // 2, cfg.block_size, ranks, ring, fetch).shape[1]),
             "clean_kv": "fetched in one all-to-all" if fetch else "on the ring",
             "clean_kv_per_layer": {"measured_bytes": clean["measured_bytes"] / cfg.layers,
-                                   "formula_bytes": clean["optimal_bytes"] / cfg.layers},
+                                   "formula_bytes": clean["optimal_bytes"] / cfg.layers,
+                                   "context_parallel_bytes": None if fetch else _context_parallel_bytes(ring_permutes, ring, ranks)},
+            "clean_pieces_bytes_per_layer": sum(c.bytes_per_step for c in pieces) / cfg.layers,
             "other_bytes_over_block_axes": others, "attention_work_per_device": work.tolist(),
             "imbalance": float(work.max() / work.mean())}
+
+
+def _context_parallel_bytes(ring_permutes, ring: int, ranks: int) -> float | None:
+    """Per layer and device, what context parallelism over the same ``ranks`` devices would send:
+    the ring's formula (``parallel/context``) for the whole [x_t ; x_0], read off this program's
+    clean ring (the K or V of one rank's share in the compute dtype, their gradients in float32)."""
+    sizes = {c.operand_bytes for c in ring_permutes}
+    if not sizes:
+        return None
+    share = max(sizes) / 4  # elements of one rank's clean K (or V): its float32 gradient's bytes / 4
+    compute_bytes = min(sizes) / share
+    kv = 2 * 2 * share * ring  # K and V of both halves of [x_t ; x_0], the device's rows
+    return 2 * (ranks - 1) / ranks * kv * compute_bytes + kv * 4
 
 
 def summary(bp: dict) -> list[str]:
     ring = f", the clean half split over {bp['ring']} (CSBP)" if bp["ring"] > 1 else ", the clean half on every device"
     kv = bp["clean_kv_per_layer"]
-    return ["", f"block parallelism: {bp['noisy_blocks_per_device']} noisy blocks per device of {bp['ranks']}{ring}; per layer and device",
-            f"  clean K/V {bp['clean_kv']:25s} {kv['measured_bytes']:14,.0f} bytes   formula {kv['formula_bytes']:14,.0f}",
-            f"  anything else over the block axes but the gradient all-reduce (noisy K/V stay): {bp['other_bytes_over_block_axes']:,.0f} bytes",
-            f"  attention work per device, max / mean: {bp['imbalance']:.3f}"]
+    lines = ["", f"block parallelism: {bp['noisy_blocks_per_device']} noisy blocks and {bp['tokens_per_device']} tokens per device "
+             f"of {bp['ranks']}{ring}; per layer and device",
+             f"  clean K/V {bp['clean_kv']:25s} {kv['measured_bytes']:14,.0f} bytes   formula {kv['formula_bytes']:14,.0f}"]
+    if kv["context_parallel_bytes"]:
+        lines.append(f"  context={bp['ranks']} would send               {kv['context_parallel_bytes']:14,.0f} bytes   "
+                     f"(this layout {kv['measured_bytes'] / kv['context_parallel_bytes']:.2f}x)")
+    if bp["clean_pieces_bytes_per_layer"]:
+        lines.append(f"  clean K/V pieces all-gathered and their gradients reduce-scattered over the ring rank's devices "
+                     f"{bp['clean_pieces_bytes_per_layer']:,.0f} bytes")
+    return lines + [f"  anything else over the block axes but the gradient all-reduce (noisy K/V stay): {bp['other_bytes_over_block_axes']:,.0f} bytes",
+                    f"  attention work per device, max / mean: {bp['imbalance']:.3f}"]
 
 
 def rules(strategy, compute: dict, stored: dict):
@@ -202,6 +236,14 @@ def traffic(strategy, ctx) -> dict:
     shard = ctx.all_reduced("block") * ctx.reduce_bytes
     n = ctx.mesh["data"] * ring * ctx.mesh["context_a2a"]
     out = {("all-reduce", "block"): data.grad_allreduce_bytes(shard, n * p) - data.grad_allreduce_bytes(shard, n)} if p > 1 else {}
+    if ctx.layout.role(RING_PIECES) and model is not None:
+        # each device's piece of its ring rank's clean K/V (L / P tokens) is all-gathered over its
+        # rank's P / C devices (again under remat), and the gradients reduce-scattered once
+        kv_heads = max(1, model.kv_heads // ctx.mesh["tensor"])
+        share = ctx.batch // ctx.batch_shards * ctx.length // 2 // ring * kv_heads * model.head_dim * 2 * ctx.compute_bytes
+        moved = model.layers * (p - 1) / p * share
+        out[("all-gather", "block")] = (1 + (ctx.remat != "none")) * moved
+        out[("reduce-scatter", "block")] = moved
     if ctx.layout.role(FETCH) and model is not None:
         length = ctx.length // 2  # tokens per half of [x_t ; x_0]
         slot = fetch_plan(ctx.clean_reads, length, model.block_size, p * ring, ring)[0].shape[2]

@@ -2,8 +2,9 @@
 inside jaxpar's shard_map.
 
 Every device of the block axes receives its rows whole ([x_t ; x_0], 2L tokens) and keeps the
-noisy blocks it owns, then the clean half: all of it under BP, its zigzag share of it under CSBP
-(the clean half split over the ``context`` ring). ``owned_blocks`` says which noisy blocks, in
+noisy blocks it owns, then the clean half: under BP all of it but the last block, which no noisy
+block reads; under CSBP its piece of its ring rank's zigzag share (the clean half split over the
+``context`` ring, each rank's share over the rank's devices). ``owned_blocks`` says which noisy blocks, in
 dual-end pairs: with N blocks and P devices, device r owns the pairs (i, N-1-i) for i = r, r+P,
 r+2P... below N/2. Noisy block g attends to itself and to the g clean blocks before it, so a pair
 costs (i+1) + (N-i) = N+1 blocks of keys: every device the same.
@@ -81,19 +82,42 @@ def local_blocks(num_blocks: int, ranks: int, ring: int) -> np.ndarray:
     return np.array(out, dtype=np.int32)
 
 
-def clean_places(length: int, ring: int) -> np.ndarray:
-    """(ring, length / ring) int: the places in [x_t ; x_0] of each ring rank's clean tokens."""
+def clean_places(length: int, ring: int, replicas: int = 1) -> np.ndarray:
+    """(ring, length / ring) int: the places in [x_t ; x_0] of each ring rank's clean tokens, in
+    the order its ``replicas`` devices' pieces (``clean_pieces``) put them side by side."""
     check_ring(length, ring)
-    return (length + sequence_order(length, ring).reshape(ring, -1)).astype(np.int32)
+    if length % (2 * ring * replicas):
+        raise LayoutError(f"block parallelism splits each of the clean half's 2 x {ring} zigzag chunks over {replicas} devices: "
+                          f"use a --seq-len that is a multiple of {2 * ring * replicas}")
+    chunks = (length + sequence_order(length, ring)).reshape(ring, 2, replicas, -1)
+    # replica g takes piece g of its rank's early chunk and piece R-1-g of the late one: every
+    # piece then does about the same causal work
+    pieces = np.concatenate([chunks[:, 0], chunks[:, 1, ::-1]], axis=2)  # (ring, replicas, tokens)
+    return pieces.reshape(ring, -1).astype(np.int32)
+
+
+def clean_prefix(length: int, block_size: int) -> int:
+    """The clean tokens pure BP computes: no noisy block reads the last clean block (block g reads
+    the g before it), so every device stops one block short of the clean half."""
+    return length - block_size
 
 
 def held_places(length: int, block_size: int, ranks: int, ring: int = 1, fetch: bool = False) -> np.ndarray:
     """(ranks, tokens held) int: the places in [x_t ; x_0] each device holds, its noisy blocks then
-    its clean tokens (device r is ring rank r % ring: the ring is the inner axis); ``fetch``: the
-    noisy blocks of ``clean_kv=fetch`` (``local_blocks``)."""
+    its clean tokens; ``fetch``: the noisy blocks of ``clean_kv=fetch`` (``local_blocks``). Device
+    r is ring rank r % ring (the ring is the inner axis) and replica r // ring of that rank.
+    Without a ring every device holds the clean prefix (``clean_prefix``); on a ring the ranks / ring
+    replicas of a rank each hold a piece of its share (the fetch: each the whole share)."""
     owned = local_blocks(length // block_size, ranks, ring) if fetch else owned_blocks(length // block_size, ranks)
     noisy = (owned[:, :, None] * block_size + np.arange(block_size)).reshape(ranks, -1)
-    clean = clean_places(length, ring)[np.arange(ranks) % ring]
+    if ring == 1:
+        clean = np.broadcast_to(length + np.arange(clean_prefix(length, block_size)), (ranks, clean_prefix(length, block_size)))
+    elif fetch:
+        clean = clean_places(length, ring)[np.arange(ranks) % ring]
+    else:
+        replicas = ranks // ring
+        pieces = clean_places(length, ring, replicas).reshape(ring, replicas, -1)
+        clean = pieces[np.arange(ranks) % ring, np.arange(ranks) // ring]
     return np.concatenate([noisy, clean], axis=1).astype(np.int32)
 
 
@@ -192,7 +216,7 @@ def share(batch: dict, block_size: int) -> tuple[dict, Share | None]:
     fetching = ring > 1 and bool(layout.role(FETCH))
     places = jnp.asarray(held_places(length, block_size, ranks, ring, fetching))[device]
     noisy = length // ranks
-    ring_places = jnp.asarray(clean_places(length, ring)) if ring > 1 else None
+    ring_places = jnp.asarray(clean_places(length, ring, 1 if fetching else ranks // ring)) if ring > 1 else None
     fetch = (block_size, ranks, ring, device) if fetching else None
     held = places.shape[0]
     # each device's mean is over `held` tokens and the step sums the means over the P devices;

@@ -49,6 +49,10 @@ SHARES = "own_row_shares"
 # the axes over which each device fetches, in one all-to-all, the keys and values its rows' mask
 # reads instead of a ring (block parallelism's clean_kv=fetch)
 FETCH = "kv_fetch"
+# the axes that split each ring rank's travelling keys further (block parallelism with more devices
+# than ring ranks): each device computes a piece, and the pieces' K/V are all-gathered over these
+# axes before the ring (their gradients reduce-scattered back)
+RING_PIECES = "ring_pieces"
 
 
 def sequence_order(length: int, ring: int) -> np.ndarray:
@@ -288,6 +292,9 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # ``kv_ring[rank]``)]. Only the share travels; the mask is evaluated at every token's place, so no
 # block pair is skipped. Per layer and device the traffic is the plain ring's for the shared keys:
 # forward (R-1)/R of their K/V bytes; backward the same again plus their float32 gradients, R hops.
+# Under ``RING_PIECES`` (G devices) a device holds a piece of its rank's share: the pieces' K and V
+# are all-gathered first, (G-1)/G of the share's K/V bytes, and autodiff reduce-scatters their
+# gradients back the same way.
 
 
 def _attention_at_places(q, k, v, mask: att.Mask, layout):
@@ -302,6 +309,10 @@ def _attention_at_places(q, k, v, mask: att.Mask, layout):
                           "rank holds, or those to fetch: Mask.at(q, kv, kv_ring=...) or Mask.at(q, kv, kv_fetch=...)")
     r_size = math.prod(layout.mesh.shape[a] for a in layout.role(RING))
     static = dataclasses.replace(mask, indices=None)
+    if layout.role(RING_PIECES):  # this device's piece of its rank's share, with the other pieces' K/V
+        kept, d = where.kv.shape[0], k.shape[-1]
+        share = jax.lax.all_gather(jnp.concatenate([k[:, kept:], v[:, kept:]], -1), layout.role(RING_PIECES), axis=1, tiled=True)
+        k, v = jnp.concatenate([k[:, :kept], share[..., :d]], 1), jnp.concatenate([v[:, :kept], share[..., d:]], 1)
     return _places_ring(static, layout.role(RING), r_size, q, k, v, where.q, where.kv, where.kv_ring).astype(q.dtype)
 
 
