@@ -17,7 +17,7 @@ from jaxpar.analysis import hlo
 from jaxpar.analysis.memory import replicated_params, weight_shares
 from jaxpar.models import bd3lm
 from jaxpar.parallel import STRATEGIES
-from jaxpar.parallel.block.blocks import BLOCKS
+from jaxpar.parallel.block.blocks import BLOCKS, clean_prefix
 from jaxpar.parallel.context.split_attention import FETCH, RING
 
 # Scalar reductions (the loss, the gradient norm for clipping) are not part of any formula.
@@ -75,22 +75,24 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
         compute_bytes=cb, reduce_bytes=rb, stored_bytes=4,
         microbatches=cfg.microbatches, batch_shards=layout.batch_shards, batch=batch_shape[0], length=batch_shape[1],
         model=model_cfg, schedule=trainer.plan.schedule, remat=cfg.remat,
-        held_length=held_length(layout, batch_shape[1]), weights=weights,
+        held_length=held_length(layout, batch_shape[1], getattr(model_cfg, "block_size", None)), weights=weights,
         clean_reads=(bd3lm.block_diffusion_mask(batch_shape[1] // 2, model_cfg.block_size, model_cfg.window).blocks.allowed.clean_reads
                      if layout.role(FETCH) and model_cfg is not None else None),
     )
 
 
-def held_length(layout, length: int) -> int:
+def held_length(layout, length: int, block_size: int | None = None) -> int:
     """Positions of a ``length``-token row one device holds: 1/C of them under context parallelism
-    over C devices; under block parallelism over P devices its noisy blocks and the clean half of
-    [x_t ; x_0], or its 1/C of the clean half under CSBP (length / 2P + length / 2C)."""
+    over C devices; under block parallelism over P devices as ``blocks.held_places`` cuts
+    [x_t ; x_0] (``block_size``: the model's; without it, pure BP's clean half counted whole)."""
     split = math.prod(layout.mesh.shape[a] for a in layout.axes_of("length") if a not in layout.batch_axes)
     ranks = math.prod(layout.mesh.shape[a] for a in layout.role(BLOCKS))
     if ranks == 1:
         return length // split
     ring = math.prod(layout.mesh.shape[a] for a in layout.role(RING))
-    return length // 2 // ranks + length // 2 // ring
+    if ring == 1:
+        return length // 2 // ranks + (length // 2 if block_size is None else clean_prefix(length // 2, block_size))
+    return length // 2 // ranks + length // 2 // (ring if layout.role(FETCH) else ranks)
 
 
 def optimal_traffic_by_axis(trainer, strategy, batch_shape, model_cfg=None) -> dict[tuple[str, str], float]:
