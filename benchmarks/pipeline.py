@@ -10,7 +10,10 @@ would run it), batch of 4 sequences of 64 tokens per micro-batch. Columns:
   when a send takes a whole tick (``latency=2``), where eager 1F1B pays off;
 - peak in flight on stage 0, and the activation buffer slots the executor allocates;
 - temp MiB: ``compiled.memory_analysis().temp_size_in_bytes`` per device;
-- compile s, step ms (median of ``--repeats`` runs after a warm-up).
+- compile s, step ms (median of ``--repeats`` runs after a warm-up);
+- sent KiB: the collective-permute bytes per device per step read off the compiled program
+  (``analysis/hlo.py``: each tick's permute spans only the stages that send), next to the formula,
+  2 m (S v - 1) / S activations.
 
 On simulated CPU devices all "devices" share the host's cores, so the step time measures the total
 work (each backward recomputes its forward), not the critical path: the bubble shows in step time
@@ -45,6 +48,7 @@ def main():
     import jax
     from flax import nnx
 
+    from jaxpar.analysis import hlo
     from jaxpar.models import llama
     from jaxpar.parallel import build_layout, parse_strategy
     from jaxpar.parallel.stage import mpmd
@@ -76,7 +80,7 @@ def main():
         compile_s = time.perf_counter() - start
         jax.block_until_ready(compiled(*xs))
         memory = compiled.memory_analysis()
-        return compile_s, median_ms(lambda: compiled(*xs)), memory.temp_size_in_bytes / 2**20
+        return compile_s, median_ms(lambda: compiled(*xs)), memory.temp_size_in_bytes / 2**20, compiled.as_text()
     candidates = []  # (label, schedule, the same when a send takes a whole tick) of those that fit these sizes
     for name, chunks in [("gpipe", 1), ("1f1b", 1), ("eager-1f1b", 1), ("interleaved-1f1b", 2)]:
         try:
@@ -88,7 +92,9 @@ def main():
         label = name if chunks == 1 else f"{name} v={chunks}"
         candidates.append((label, schedule, sc.make(name, S, m, chunks, latency=2)))
     header = f"{'schedule':<20} {'ticks':>5} {'bubble':>7} {'bubble@lat2':>11} {'in flight':>9} {'slots':>5} " \
-             f"{'temp MiB':>8} {'compile s':>9} {'step ms':>8}"
+             f"{'temp MiB':>8} {'compile s':>9} {'step ms':>8} {'sent KiB':>9} {'formula':>8}"
+    # one micro-batch's activation between stages, per device (its rows split over data)
+    activation = 4 // (8 // S) * 64 * cfg.embed * 4
     print(f"tiny Llama, {cfg.layers} layers, stage={S} x data={8 // S}, {m} micro-batches of 4 x 64 tokens")
     print(header)
     print("-" * len(header))
@@ -99,10 +105,12 @@ def main():
             return pl.pipeline_value_and_grad(pieces.stage_fn, s, t, layout.mesh, schedule, first_fn=pieces.first_fn,
                                               last_fn=pieces.last_fn, edge_params=e, layout=layout, names=model.names)
 
-        compile_s, step_ms, temp = timed(grads, stacked, edge, tokens)
+        compile_s, step_ms, temp, text = timed(grads, stacked, edge, tokens)
+        sent = sum(c.bytes_per_step for c in hlo.collectives(text, layout.mesh) if c.kind == "collective-permute")
+        formula = 2 * m * (S * schedule.chunks - 1) * activation / S  # every boundary, forward and back, mean per device
         print(f"{label:<20} {schedule.ticks:>5} {schedule.bubble_fraction():>7.3f} {slow.bubble_fraction():>11.3f} "
               f"{schedule.peak_in_flight()[0]:>9} {pl.lower(schedule).act_slots:>5} {temp:>8.2f} {compile_s:>9.1f} "
-              f"{step_ms:>8.1f}")
+              f"{step_ms:>8.1f} {sent / 1024:>9.1f} {formula / 1024:>8.1f}")
 
     def reference(p, t):
         def loss(p):
@@ -112,7 +120,7 @@ def main():
         return jax.value_and_grad(loss)(p)
 
     with jax.default_device(jax.devices()[0]):
-        compile_s, step_ms, temp = timed(reference, params, tokens)
+        compile_s, step_ms, temp, _ = timed(reference, params, tokens)
     print(f"{'no pipeline, 1 dev':<20} {'':>5} {'':>7} {'':>11} {'':>9} {'':>5} {temp:>8.2f} {compile_s:>9.1f} {step_ms:>8.1f}")
 
     k = 8 // S

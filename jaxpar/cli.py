@@ -571,7 +571,7 @@ def _train_dcp(args, topology) -> int:
                            cfg=train_cfg, stop=lambda: signals.name is not None)
     report["interrupted"] = signals.name
     ratios = ", ".join(f"{kind} {ratio:.2f}" for kind, ratio in report["imbalance"].items())
-    print(f"programs (context degree, remat): {report['programs']}\nwork imbalance per device (max / mean, mean over steps): {ratios}")
+    print(f"programs (context degree, remat, rows per call): {report['programs']}\nwork imbalance per device (max / mean, mean over steps): {ratios}")
     if args.metrics_json:
         write_json_atomically(args.metrics_json, report)
     if signals.name:

@@ -4,6 +4,7 @@ each weight's gradient; measured ~1e-7), with less work imbalance than static co
 """
 import jax
 import numpy as np
+from jax._src.dispatch import BACKEND_COMPILE_EVENT  # (jax.monitoring's name for an XLA compile)
 import pytest
 from flax import nnx
 
@@ -60,10 +61,33 @@ def test_dcp_gradient_equals_one_device(sequences):
     for got, want in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(ref_grads)):
         assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
     # a step reuses the programs: one compiled program per (context degree, call shape)
+    compiled = trainer.compiles
     state, metrics = trainer.step(state, sequences)
-    assert sorted(trainer._programs) == [(1, "none"), (4, "none")]
-    assert all(program._cache_size() == 1 for program in trainer._programs.values())
+    assert {key[:2] for key in trainer._programs} == {(1, "none"), (4, "none")}
+    assert trainer.compiles == compiled == len(trainer._programs)
     assert np.isfinite(float(metrics["grad_norm"]))
+
+
+def test_after_compiling_ahead_no_step_but_the_first_compiles(sequences):
+    # room for 2 rows per call: every call shape of batches of 10 of these documents (up to 129
+    # tokens: contexts 1, 2, 4) is compiled before the first step; the first step still compiles
+    # the update and the host-side adds, and after it nothing compiles, whatever the batch's lengths
+    budget = 2.5 * CAPACITY * dcp.bytes_per_token(TINY, "none")
+    trainer = dcp.DataCentricTrainer(model_fn, llama.loss_fn, TINY, TrainConfig(), capacity=CAPACITY, memory_budget=budget)
+    state = trainer.init(seed=0)
+    first, second = sequences[5:15], sequences[20:30]  # each holds a long document and short ones
+    assert trainer.compile_ahead(state.params, 10, max(len(s) for s in sequences)) == trainer.compiles == 6
+    state, _ = trainer.step(state, first)
+    compiles = []
+    listener = lambda event, seconds, **_: compiles.append(event) if event == BACKEND_COMPILE_EVENT else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        state, metrics = trainer.step(state, second)
+        jax.block_until_ready(metrics["loss"])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == [] and trainer.compiles == 6
+    assert {b.context for b in trainer.plan(first)} == {b.context for b in trainer.plan(second)} == {1, 4}
 
 
 def test_dcp_balances_work_better_than_static_context_parallelism(sequences):

@@ -14,12 +14,15 @@ Conventions (all checked on programs compiled by jax 0.10 for CPU and, ahead of 
   (``num_replicas=1``), which is all that jit/shard_map produce.
 - ``executions`` multiplies the trip counts of every while loop around the collective, through
   any ``call``/``fusion``/``async-start``/``conditional`` in between. Each branch of a
-  ``conditional`` is counted as if it ran (an upper bound). A loop whose trip count cannot be
-  read counts once, with a warning.
+  ``conditional`` is counted as if it ran (an upper bound), unless the collective's op name
+  carries ``marks.branch_runs(n, trips)``: then it runs n of every trips trips of its loop. A loop
+  whose trip count cannot be read counts once, with a warning.
 - ``collective-permute``: ``group_size`` is the size of the largest set of devices linked by its
   source-target pairs (2 for a swap, n for a ring over n), ``mesh_axes`` the axes along which some
-  pair moves data, and each device sends its operand once (0 bytes when every pair is a self-pair:
-  GSPMD emits such pairs and they are local copies).
+  pair moves data, and ``senders`` the share of the program's devices that send their operand
+  (1 for a ring; a pipeline's tick sends only from the stages that carry a micro-batch): the bytes
+  per device are the operand's times that share, the mean over the devices (0 bytes when every
+  pair is a self-pair: GSPMD emits such pairs and they are local copies).
 - Collectives in computations that nothing calls are left out.
 - Each collective is counted once, however many copies of it the program prints. XLA:TPU (seen on
   v5e, jax 0.10) splits an async collective into a chain of fusions — start, continuations that
@@ -41,6 +44,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from jaxpar import marks
+
 # (a ragged all-to-all sends as much of its first operand as its sizes say: counted here at that
 # operand's whole size, the bound its static shapes give)
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
@@ -57,13 +62,14 @@ class Collective:
     mesh_axes: tuple[str, ...]  # mesh axes whose coordinate varies inside a group, in mesh order
     executions: int  # times it runs per call of the program
     lowered_as: str = ""  # the op XLA emitted when it differs from the kind it implements (see below)
+    senders: float = 1.0  # collective-permute: the share of the devices that send (see the module doc)
 
     @property
     def bytes_per_execution(self) -> float:
-        """Bytes one device sends per execution, ring model."""
+        """Bytes one device sends per execution, ring model (a permute: the mean over the devices)."""
         n = self.group_size
         if self.kind == "collective-permute":
-            return float(self.operand_bytes) if n > 1 else 0.0
+            return float(self.operand_bytes) * self.senders if n > 1 else 0.0
         f = (n - 1) / n
         return {
             "all-gather": self.result_bytes * f,
@@ -510,11 +516,13 @@ def collectives(hlo_text: str, mesh, dcn_axes: tuple[str, ...] = (), num_slices:
             result = done[ins.name].shape if ins.opcode.endswith("-start") and ins.name in done else ins.shape
             sent = ins.operands[:1] if kind == "ragged-all-to-all" else ins.operands  # (the rest: its output buffer, offsets, sizes)
             operand_bytes = sum(shape_bytes(table[o].shape) for o in sent if o in table)
+            senders, runs_here = 1.0, _branch_executions(ins, runs[comp])
             if kind == "collective-permute":
                 pairs = _source_target_pairs(ins.attrs)
                 moving = pairs[pairs[:, 0] != pairs[:, 1]]
                 size = _largest_component(moving) if len(moving) else 1
                 axes = _axes_spanned(moving, mesh) if len(moving) else ()
+                senders = len(set(moving[:, 0].tolist())) / mesh.devices.size if len(moving) else 1.0
             else:
                 groups = replica_groups(ins.attrs, mesh.devices.size)
                 size, axes = groups.shape[1], _axes_spanned(groups, mesh)
@@ -525,8 +533,15 @@ def collectives(hlo_text: str, mesh, dcn_axes: tuple[str, ...] = (), num_slices:
                 if implemented != kind:
                     kind, lowered_as = implemented, "all-reduce"
             out.append(Collective(kind, ins.name, _dtype(result), operand_bytes, shape_bytes(result),
-                                  int(size), axes, runs[comp], lowered_as))
+                                  int(size), axes, runs_here, lowered_as, senders))
     return out
+
+
+def _branch_executions(ins, runs: int) -> int:
+    """``runs`` of the computation ``ins`` sits in, or of them the share its ``marks.branch_runs``
+    mark says its conditional branch is taken."""
+    taken = marks.read_branch_runs(ins.attrs)
+    return runs if taken is None else runs * taken[0] // taken[1]
 
 
 def link_bytes(hlo_text: str, mesh) -> dict[tuple[int, int], int]:

@@ -17,8 +17,10 @@ replicated):
    token, or one residual per layer under ``remat=full``); calls take as many rows as fit in
    ``memory_budget`` bytes, with remat only where one row would not fit without it.
 4. **Programs.** Each (context degree, remat) is one ``Trainer`` and each call shape one compiled
-   program, compiled once and reused across steps (rows per call are powers of two, so the shapes
-   are few). A program returns every device's own unreduced
+   program. Rows per call are powers of two, so the shapes are few and known from the batch size
+   and the longest sequence (``call_shapes``): ``compile_ahead`` compiles them all before the
+   first step, and the programs of a step are dispatched back to back (on XLA:CPU each waited for,
+   see ``gradients``). A program returns every device's own unreduced
    gradient; they are added on each device, then reduced once over all devices, clipped and
    applied. Each token's loss is weighted by the global batch's real-token count, so the update
    equals that of the same batch on one device (or under a static layout).
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -111,16 +114,42 @@ def plan(lengths, num_devices: int, capacity: int, cfg, memory_budget: float) ->
         else:
             rows = [[i] for i in members]
         dealt = _deal(rows, c, load, lambda row: sum(sequence_work(lengths[i], cfg) for i in row))
-        remat = "none" if capacity * bytes_per_token(cfg, "none") <= memory_budget else "full"
-        fit = max(1, int(memory_budget // (capacity * bytes_per_token(cfg, remat))))
+        remat, fit = _remat_and_fit(capacity, cfg, memory_budget)
         per_group = len(dealt[0])
-        # rows per call a power of two: the call shapes, and so the compiled programs, are few
-        # and come back from step to step
-        per_call = min(2 ** (fit.bit_length() - 1), 2 ** math.ceil(math.log2(per_group)))
+        per_call = _rows_per_call(per_group, fit)
         calls = math.ceil(per_group / per_call)
         padded = tuple(tuple(g) + ((),) * (per_call * calls - len(g)) for g in dealt)
         buckets.append(Bucket(c, capacity * c, padded, per_call, remat))
     return sorted(buckets, key=lambda b: b.context)
+
+
+def _remat_and_fit(capacity: int, cfg, memory_budget: float) -> tuple[str, int]:
+    """(remat, rows of ``capacity`` positions a device's call holds in ``memory_budget``): remat
+    only where one row would not fit without it."""
+    remat = "none" if capacity * bytes_per_token(cfg, "none") <= memory_budget else "full"
+    return remat, max(1, int(memory_budget // (capacity * bytes_per_token(cfg, remat))))
+
+
+def _rows_per_call(per_group: int, fit: int) -> int:
+    """Rows a data group runs per call: a power of two, so that the call shapes, and so the
+    compiled programs, are few and known before the first step (``call_shapes``)."""
+    return min(2 ** (fit.bit_length() - 1), 2 ** math.ceil(math.log2(per_group)))
+
+
+def call_shapes(batch_size: int, longest: int, num_devices: int, capacity: int, cfg, memory_budget: float) -> list[tuple[int, str, int]]:
+    """Every (context, remat, rows per call over all groups) ``plan`` can give a batch of at most
+    ``batch_size`` sequences of at most ``longest`` tokens: the programs to compile before the
+    first step. A bucket of context c has at most one row per sequence, dealt over N / c groups."""
+    remat, fit = _remat_and_fit(capacity, cfg, memory_budget)
+    shapes, c = [], 1
+    while num_devices % c == 0:
+        groups = num_devices // c
+        most = _rows_per_call(math.ceil(batch_size / groups), fit)
+        shapes += [(c, remat, groups * 2 ** k) for k in range(most.bit_length())]
+        if longest - 1 <= capacity * c:
+            break
+        c *= 2
+    return shapes
 
 
 def _deal(rows, context: int, load: np.ndarray, work) -> list[list]:
@@ -181,11 +210,15 @@ class DataCentricTrainer:
         self.model_fn, self.loss_fn, self.model_cfg, self.cfg = model_fn, loss_fn, model_cfg, cfg
         self.capacity, self.memory_budget = capacity, memory_budget
         self._trainers: dict[tuple[int, str], Trainer] = {}
-        self._programs: dict[tuple[int, str], object] = {}  # jitted: each call shape compiles once
+        self._programs: dict[tuple[int, str, int], object] = {}  # compiled, by (context, remat, rows per call)
+        self.compiles = 0  # programs compiled so far (``compile_ahead`` and any shape it did not foresee)
         self.base = self._trainer(1, cfg.remat)  # holds the state: every weight whole on every device
         self.optimizer = leave_to_rules(optimizer, self.base.abstract) if optimizer else self.base.optimizer
         self._flat = NamedSharding(jax.sharding.Mesh(np.array(self.devices), ("devices",)), PartitionSpec("devices"))
-        self._apply = jax.jit(self._apply_fn, donate_argnums=(0,))
+        # the state is whole on every device, from init and after every update: one update program
+        self._whole = NamedSharding(self.base.layout.mesh, PartitionSpec())
+        self._apply = jax.jit(self._apply_fn, donate_argnums=(0,), out_shardings=(self._whole, self._whole))
+        self._add = jax.jit(lambda total, part: jax.tree.map(jnp.add, total, part), donate_argnums=(0,))
 
     def _trainer(self, context: int, remat: str) -> Trainer:
         key = (context, remat)
@@ -197,30 +230,58 @@ class DataCentricTrainer:
 
     def init(self, seed: int = 0) -> TrainState:
         state = self.base.init(seed=seed)
-        return TrainState(state.params, self.optimizer.init(state.params), state.step)
+        state = TrainState(state.params, self.optimizer.init(state.params), state.step)
+        return jax.device_put(state, self._whole)
 
     def plan(self, sequences) -> list[Bucket]:
         return plan([len(s) for s in sequences], len(self.devices), self.capacity, self.model_cfg, self.memory_budget)
 
+    def compile_ahead(self, params, batch_size: int, longest: int) -> int:
+        """Compile, before the first step, the program of every call shape a batch of at most
+        ``batch_size`` sequences of at most ``longest`` tokens can need (``call_shapes``): no step
+        then waits on a compile. Returns how many were compiled."""
+        shapes = call_shapes(batch_size, longest, len(self.devices), self.capacity, self.model_cfg, self.memory_budget)
+        for context, remat, rows in shapes:
+            self._program(context, remat, params, rows_batch([], [()] * rows, self.capacity * context, 1))
+        zeros = lambda: self._on_flat((jnp.zeros(()), jax.tree.map(lambda p: jnp.zeros((len(self.devices), *p.shape), p.dtype), params)))  # noqa: E731
+        self._add(zeros(), zeros())  # the adds of a step's programs' outputs, compiled (and run once, on zeros)
+        return len(shapes)
+
+    def _on_flat(self, out):
+        """A program's (loss, stacked gradients) on the devices as one flat layout (the same
+        buffers: no copy), so that every program's outputs add in one compiled program."""
+        loss, grads = out
+        return (jax.device_put(loss, NamedSharding(self._flat.mesh, PartitionSpec())),
+                jax.device_put(grads, jax.tree.map(lambda _: self._flat, grads)))
+
+    def _program(self, context: int, remat: str, params, batch):
+        """(the compiled program for this call shape, the batch put on its devices)."""
+        trainer = self._trainer(context, remat)
+        placed = trainer.put_batch(batch)
+        key = (context, remat, len(batch["inputs"]))
+        if key not in self._programs:
+            self._programs[key] = jax.jit(trainer.local_grad_fn()).lower(params, placed).compile()
+            self.compiles += 1
+        return self._programs[key], placed
+
     def gradients(self, params, sequences):
         """(mean loss over the real tokens, the gradient reduced over all devices) of a batch."""
         real = sum(len(s) - 1 for s in sequences)
-        loss, stacked = 0.0, None
+        total = None
+        wait = self.devices[0].platform == "cpu"
         for bucket in self.plan(sequences):
-            key = (bucket.context, bucket.remat)
-            trainer = self._trainer(*key)
-            if key not in self._programs:
-                self._programs[key] = jax.jit(trainer.local_grad_fn())
             for call in range(bucket.calls):
                 rows = [row for g in bucket.rows for row in g[call * bucket.rows_per_call:(call + 1) * bucket.rows_per_call]]
-                batch = rows_batch(sequences, rows, bucket.length, real)
-                part, grads = self._programs[key](params, trainer.put_batch(batch))
-                # one program's collectives done before the next program's start: measured on 8
-                # simulated CPU devices, a 12-step run otherwise left a collective-permute's
-                # rendezvous waiting on 2 devices until XLA aborted
-                grads = jax.block_until_ready(jax.device_put(grads, jax.tree.map(lambda _: self._flat, grads)))  # the same devices, one layout
-                loss = loss + part
-                stacked = grads if stacked is None else jax.tree.map(jnp.add, stacked, grads)
+                program, batch = self._program(bucket.context, bucket.remat, params, rows_batch(sequences, rows, bucket.length, real))
+                out = self._on_flat(program(params, batch))
+                if wait:
+                    # on XLA:CPU one program's collectives must be done before the next program
+                    # starts: on 8 simulated devices a 12-step run otherwise left a collective-
+                    # permute's rendezvous waiting on 2 devices until XLA aborted. Elsewhere the
+                    # programs are dispatched back to back
+                    jax.block_until_ready(out)
+                total = out if total is None else self._add(total, out)
+        loss, stacked = total
         return loss, jax.tree.map(lambda g: jnp.sum(g, axis=0), stacked)  # the one reduction, over every device
 
     def _apply_fn(self, state: TrainState, grads):
@@ -263,6 +324,9 @@ def train(model_fn, loss_fn, model_cfg, docs, *, steps: int, batch_size: int, ca
     trainer = DataCentricTrainer(model_fn, loss_fn, model_cfg, cfg, capacity=capacity, memory_budget=memory_budget)
     n = len(trainer.devices)
     state, losses, ratios = trainer.init(seed), [], []
+    start = time.perf_counter()
+    compiled = trainer.compile_ahead(state.params, batch_size, capacity * n + 1)
+    log(f"compiled the {compiled} call shapes a step may need in {time.perf_counter() - start:.1f} s")
     for step in range(steps):
         batch = data.documents_at(docs, step, batch_size, seed, capacity * n + 1)
         # static context parallelism must hold the longest document the stream may bring: context=n
@@ -274,5 +338,5 @@ def train(model_fn, loss_fn, model_cfg, docs, *, steps: int, batch_size: int, ca
             f"{max(len(s) for s in batch)} tokens, context degrees {contexts}")
         if stop():
             break
-    return {"losses": losses, "steps": steps, "last_step": len(losses), "programs": sorted(trainer._programs),
+    return {"losses": losses, "steps": steps, "last_step": len(losses), "programs": sorted(trainer._programs), "compiles": trainer.compiles,
             "imbalance": {kind: float(np.mean([r[kind] for r in ratios])) for kind in ratios[0]}}

@@ -64,7 +64,10 @@ def traffic(strategy, ctx) -> dict:
         ways = lambda name: math.prod(layout.mesh.shape[a] for a in layout.axes_of(name))  # noqa: E731
         rows = ctx.batch // (schedule.microbatches * ways("batch"))
         activation = rows * ctx.length // ways("residual_length") * ctx.model.embed * ctx.compute_bytes
-        out[("collective-permute", "stage")] = 2 * schedule.microbatches * schedule.chunks * activation
+        # each of the V - 1 boundaries between virtual stages carries every micro-batch's activation
+        # forward and its gradient back; per device, the mean over the S stages
+        boundaries = schedule.stages * schedule.chunks - 1
+        out[("collective-permute", "stage")] = 2 * schedule.microbatches * boundaries * activation / schedule.stages
     # the gathers' backward has reduce-scattered the edge gradients over the axes weights are stored on
     edge = ctx.stored("param", layers=False)
     out[("all-reduce", "stage")] = data.grad_allreduce_bytes(edge * ctx.reduce_bytes, schedule.stages)

@@ -22,6 +22,10 @@ ticks. Each tick every device looks up its action in the table (indexed by
 ``axis_index('stage')``) and runs it through ``lax.switch``; then one ``ppermute`` moves this tick's
 forward outputs to the next device and one moves input gradients to the previous device
 (circularly when v > 1), so each arrives for the next tick (the tick model of ``schedules.py``).
+Each ``ppermute`` spans only the stages that send a micro-batch on that tick (the table's send
+sets, one ``lax.switch`` branch per set, the same on every device); a tick on which nothing
+crosses a boundary sends nothing. Per step a boundary carries m activations forward and m
+gradients back: 2m(V-1)/S activations per device on average, V = S x v virtual stages.
 
 Memory: a device keeps the *input* of each micro-batch chunk in flight (from arrival until its
 backward) and the gradients that arrived before their backward runs, in buffers whose slots are
@@ -54,7 +58,7 @@ from jax.sharding import PartitionSpec
 
 from flax import nnx
 
-from jaxpar import layer_scan
+from jaxpar import layer_scan, marks
 from jaxpar.errors import LayoutError
 from jaxpar.parallel.stage.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
 from jaxpar.rules import (Layout, gather_layers_when_read, gather_params, gather_plan, gathered, logical_names, stored_shape,
@@ -102,11 +106,20 @@ class Program:
     recv_cot: np.ndarray  # slot for the gradient arriving from the next device after this tick
     act_slots: int
     cot_slots: int
+    # the (sender, receiver) stage pairs that send after a tick: the distinct sets, and per tick
+    # (ticks,) the index of its set, forward (outputs) and backward (input gradients); set 0 is empty
+    forward_sends: tuple
+    backward_sends: tuple
+    forward_send: np.ndarray
+    backward_send: np.ndarray
 
     def columns(self) -> dict[str, np.ndarray]:
-        """The (ticks, stages) tables the executor scans over."""
+        """The (ticks, stages) tables the executor scans over (a tick's send sets: one per column)."""
         names = ("kind", "first", "last", "chunk", "microbatch", "act_slot", "cot_slot", "recv_act", "recv_cot")
-        return {name: getattr(self, name).astype(np.int32) for name in names}
+        out = {name: getattr(self, name).astype(np.int32) for name in names}
+        for name in ("forward_send", "backward_send"):
+            out[name] = np.repeat(getattr(self, name)[:, None], self.kind.shape[1], axis=1).astype(np.int32)
+        return out
 
 
 def _colour(intervals: dict[Any, tuple[int, int]]) -> tuple[dict[Any, int], int]:
@@ -152,6 +165,7 @@ def lower(schedule: Schedule) -> Program:
     first, last = busy & (k_of == 0), busy & (k_of == V - 1)
     act_slot, cot_slot = np.full(shape, act_slots, np.int32), np.full(shape, cot_slots, np.int32)
     recv_act, recv_cot = np.full(shape, act_slots, np.int32), np.full(shape, cot_slots, np.int32)
+    sends = [[set() for _ in range(T)] for _ in range(2)]  # forward, backward: a tick's (sender, receiver) pairs
     for t, s in zip(*np.nonzero(busy)):
         kind, i, j = int(schedule.kind[t, s]), int(schedule.microbatch[t, s]), int(schedule.chunk[t, s])
         k = j * S + s
@@ -162,10 +176,19 @@ def lower(schedule: Schedule) -> Program:
             cot_slot[t, s] = cot[s][0][(i, k)]
         if kind == FORWARD and k < V - 1:  # the output goes to the device of virtual stage k+1
             recv_act[t, (k + 1) % S] = act[(k + 1) % S][0][(i, k + 1)]
+            sends[0][t].add((int(s), (k + 1) % S))
         if kind == BACKWARD and k > 0:
             recv_cot[t, (k - 1) % S] = cot[(k - 1) % S][0][(i, k - 1)]
+            sends[1][t].add((int(s), (k - 1) % S))
+    (forward_sends, forward_send), (backward_sends, backward_send) = (_send_sets(ticks) for ticks in sends)
     return Program(schedule.kind.astype(np.int32), first, last, chunk, mb, act_slot, cot_slot, recv_act, recv_cot,
-                   act_slots, cot_slots)
+                   act_slots, cot_slots, forward_sends, backward_sends, forward_send, backward_send)
+
+
+def _send_sets(ticks: list[set]) -> tuple[tuple, np.ndarray]:
+    """(the distinct sets of sending pairs, the empty one first; each tick's index into them)."""
+    sets = [()] + sorted({tuple(sorted(pairs)) for pairs in ticks if pairs})
+    return tuple(sets), np.array([sets.index(tuple(sorted(pairs))) for pairs in ticks], np.int32)
 
 
 # --- checks ------------------------------------------------------------------------------------
@@ -273,13 +296,19 @@ def _check_pieces(model: PipelineModel, stage_params, edge_params, batch, axis: 
     return x0, {axis} | x0.manual_axis_type.varying | y0.manual_axis_type.varying
 
 
-def _send_pairs(stages: int, ring: bool):
-    """``ppermute`` pairs: forward outputs go to the next device, input gradients to the previous
-    one. With a ring (interleaved, v > 1 chunks per device) the last device's outputs also go round
-    to device 0 for its next chunk, and device 0's input gradients back to the last device."""
-    forward = [(i, i + 1) for i in range(stages - 1)] + ([(stages - 1, 0)] if ring else [])
-    backward = [(i + 1, i) for i in range(stages - 1)] + ([(0, stages - 1)] if ring else [])
-    return forward, backward
+def _senders(axis: str, sets: tuple, per_tick: np.ndarray):
+    """The branches of a tick's send, one per set of sending pairs: a ``ppermute`` over just those
+    pairs (named with how many ticks take it, for ``analysis/hlo.py``), nothing for the empty set."""
+    ticks = len(per_tick)
+
+    def send(pairs, runs):
+        def branch(x):
+            with jax.named_scope(marks.branch_runs(runs, ticks)):
+                return jax.lax.ppermute(x, axis, list(pairs))
+        return branch
+
+    runs = np.bincount(per_tick, minlength=len(sets))
+    return [jnp.zeros_like] + [send(pairs, int(n)) for pairs, n in zip(sets[1:], runs[1:])]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -426,14 +455,18 @@ def _typed_branches(raw_branches, carry, example_row):
         carry = widened
 
 
-def _tick_fn(branches, here, axis: str, forward_pairs, backward_pairs):
-    """The scan's body: this device runs its action of the tick, then one ``ppermute`` each way
-    moves the outputs and input gradients, which land in the slots the table names for them."""
+def _tick_fn(branches, here, axis: str, program: Program):
+    """The scan's body: this device runs its action of the tick, then a ``ppermute`` each way from
+    the stages that carry a micro-batch (the tick's send sets; none on ticks nothing crosses) moves
+    the outputs and input gradients, which land in the slots the table names for them."""
+    forward = _senders(axis, program.forward_sends, program.forward_send)
+    backward = _senders(axis, program.backward_sends, program.backward_send)
+
     def tick(carry, rows):
         row = {name: _at(col, here) for name, col in rows.items()}  # this device's column
         carry, send_fwd, send_bwd = jax.lax.switch(row["kind"], branches, carry, row)
-        arrived = jax.lax.ppermute(send_fwd, axis, forward_pairs)
-        returned = jax.lax.ppermute(send_bwd, axis, backward_pairs)
+        arrived = jax.lax.switch(row["forward_send"], forward, send_fwd)
+        returned = jax.lax.switch(row["backward_send"], backward, send_bwd)
         carry["acts"] = _put(carry["acts"], row["recv_act"], vary_over(arrived, varying_axes(carry["acts"])))
         carry["cots"] = _put(carry["cots"], row["recv_cot"], vary_over(returned, varying_axes(carry["cots"])))
         return carry, None
@@ -466,9 +499,7 @@ def run_schedule(program: Program, model: PipelineModel, stage_params, edge_para
     table = {name: jnp.asarray(col) for name, col in program.columns().items()}
     example_row = {name: _at(col[0], here) for name, col in table.items()}  # to trace the branches' types
     branches, carry = _typed_branches([actions.branch(kind) for kind in (IDLE, FORWARD, BACKWARD)], carry, example_row)
-    ring = jax.tree.leaves(stage_params)[0].shape[0] > 1  # interleaved: device s also holds chunks S+s, 2S+s...
-    forward_pairs, backward_pairs = _send_pairs(program.kind.shape[1], ring)
-    carry, _ = jax.lax.scan(_tick_fn(branches, here, axis, forward_pairs, backward_pairs), carry, table)
+    carry, _ = jax.lax.scan(_tick_fn(branches, here, axis, program), carry, table)
     if actions.asynchronous:
         return carry["losses"], carry["params"], carry["edge"], carry["versions"]
     return carry["loss"], carry["grads"], carry["edge_grads"]
