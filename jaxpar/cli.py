@@ -572,6 +572,8 @@ def _train_dcp(args, topology) -> int:
     report["interrupted"] = signals.name
     ratios = ", ".join(f"{kind} {ratio:.2f}" for kind, ratio in report["imbalance"].items())
     print(f"programs (context degree, remat, rows per call): {report['programs']}\nwork imbalance per device (max / mean, mean over steps): {ratios}")
+    if report["seconds_per_bucket"]:
+        print("seconds per step in each bucket (median): " + ", ".join(f"context {c}: {t:.3f} s" for c, t in report["seconds_per_bucket"].items()))
     if args.metrics_json:
         write_json_atomically(args.metrics_json, report)
     if signals.name:

@@ -88,6 +88,8 @@ def test_after_compiling_ahead_no_step_but_the_first_compiles(sequences):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [] and trainer.compiles == 6
     assert {b.context for b in trainer.plan(first)} == {b.context for b in trainer.plan(second)} == {1, 4}
+    # each program waited for here (XLA:CPU): each step's time in each bucket, for the report
+    assert sorted(trainer.bucket_seconds) == [1, 4] and all(len(t) == 2 and min(t) > 0 for t in trainer.bucket_seconds.values())
 
 
 def test_dcp_balances_work_better_than_static_context_parallelism(sequences):

@@ -212,6 +212,7 @@ class DataCentricTrainer:
         self._trainers: dict[tuple[int, str], Trainer] = {}
         self._programs: dict[tuple[int, str, int], object] = {}  # compiled, by (context, remat, rows per call)
         self.compiles = 0  # programs compiled so far (``compile_ahead`` and any shape it did not foresee)
+        self.bucket_seconds: dict[int, list[float]] = {}  # context degree -> each step's time in its bucket (XLA:CPU)
         self.base = self._trainer(1, cfg.remat)  # holds the state: every weight whole on every device
         self.optimizer = leave_to_rules(optimizer, self.base.abstract) if optimizer else self.base.optimizer
         self._flat = NamedSharding(jax.sharding.Mesh(np.array(self.devices), ("devices",)), PartitionSpec("devices"))
@@ -270,6 +271,7 @@ class DataCentricTrainer:
         total = None
         wait = self.devices[0].platform == "cpu"
         for bucket in self.plan(sequences):
+            start = time.perf_counter()
             for call in range(bucket.calls):
                 rows = [row for g in bucket.rows for row in g[call * bucket.rows_per_call:(call + 1) * bucket.rows_per_call]]
                 program, batch = self._program(bucket.context, bucket.remat, params, rows_batch(sequences, rows, bucket.length, real))
@@ -281,6 +283,8 @@ class DataCentricTrainer:
                     # programs are dispatched back to back
                     jax.block_until_ready(out)
                 total = out if total is None else self._add(total, out)
+            if wait:  # each call waited for: the bucket's time is its own (elsewhere it would cost the overlap)
+                self.bucket_seconds.setdefault(bucket.context, []).append(time.perf_counter() - start)
         loss, stacked = total
         return loss, jax.tree.map(lambda g: jnp.sum(g, axis=0), stacked)  # the one reduction, over every device
 
@@ -317,7 +321,8 @@ def train(model_fn, loss_fn, model_cfg, docs, *, steps: int, batch_size: int, ca
     """The main job under DCP (``jaxpar train --dcp on``): each step ``batch_size`` of the corpus's
     documents (``data.documents_at``, at most ``capacity`` x devices + 1 tokens each), planned,
     run and applied; the report holds the losses and, over all steps' batches, the work imbalance
-    of the plans against static context parallelism and plain packing. ``stop()`` true after a
+    of the plans against static context parallelism and plain packing, and, where each program is
+    waited for (XLA:CPU), the median seconds a step spends in each context degree's bucket. ``stop()`` true after a
     step ends the run there (a signal caught by the caller: ``jaxpar train`` stops at a step boundary)."""
     from jaxpar.train import data  # the corpus; the planner above needs only lengths
 
@@ -339,4 +344,5 @@ def train(model_fn, loss_fn, model_cfg, docs, *, steps: int, batch_size: int, ca
         if stop():
             break
     return {"losses": losses, "steps": steps, "last_step": len(losses), "programs": sorted(trainer._programs), "compiles": trainer.compiles,
-            "imbalance": {kind: float(np.mean([r[kind] for r in ratios])) for kind in ratios[0]}}
+            "imbalance": {kind: float(np.mean([r[kind] for r in ratios])) for kind in ratios[0]},
+            "seconds_per_bucket": {c: float(np.median(t)) for c, t in sorted(trainer.bucket_seconds.items())}}
