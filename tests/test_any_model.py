@@ -140,6 +140,33 @@ def assert_equal_to_one_device(got, want, start):
             assert np.max(np.abs(a - b)) <= bound, (jax.tree_util.keystr(path), np.max(np.abs(a - b)), bound)
 
 
+def test_the_step_is_no_bigger_than_plain_jit_with_the_same_shardings():
+    # the user's model with no activation constraint, compiled by jaxpar and by plain jax.jit with
+    # the same weight, optimizer and batch shardings: jaxpar's temporaries and collective bytes are
+    # at most jit's on every layout (it lays each weight out for compute where it is used, so the
+    # batch stays split; jit alone splits the activations by embed under FSDP)
+    for spec in ("data=8", "fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2", "fsdp=8,param_shards=4"):
+        layout = build_layout(parse_strategy(spec, 8), jax.devices(), aliases=ALIASES)
+        trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, out_sharding=False), user_loss, CFG, optimizer=OPTIMIZER)
+        state = trainer.init(seed=0)
+        batch = trainer.put_batch(np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, 64)))
+        ours = trainer.jit_step(batch).lower(state, batch).compile()
+
+        def plain_step(params, opt_state, tokens, graphdef=trainer.graphdef, trainer=trainer):
+            loss, grads = jax.value_and_grad(lambda p: user_loss(nnx.merge(graphdef, trainer._with_values(p)), tokens))(params)
+            updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        shardings = trainer.state_shardings
+        plain = jax.jit(plain_step, in_shardings=(shardings.params, shardings.opt_state, batch.sharding),
+                        out_shardings=(shardings.params, shardings.opt_state, None)).lower(state.params, state.opt_state, batch).compile()
+        programs = {"jaxpar": ours, "jit": plain}
+        temporaries = {name: c.memory_analysis().temp_size_in_bytes for name, c in programs.items()}
+        sent = {name: sum(x.bytes_per_step for x in hlo.collectives(c.as_text(), layout.mesh)) for name, c in programs.items()}
+        assert temporaries["jaxpar"] <= temporaries["jit"], (spec, temporaries)
+        assert sent["jaxpar"] <= sent["jit"], (spec, sent)
+
+
 @pytest.mark.parametrize("spec", LAYOUTS)
 def test_plain_flax_model_equals_one_device(spec):
     got = train(spec, 8)

@@ -2,7 +2,8 @@
 
 The layout becomes shardings and XLA's partitioner places the collectives: the state is stored by
 the parameter and optimizer mappings, the batch is split over the batch axes, the model's own
-constraints stay, and stacked layer weights reach the layer loop in their stored shards, so XLA
+constraints stay, every weight outside a layer stack is laid out for compute where the model reads
+it (FSDP's gather), and stacked layer weights reach the layer loop in their stored shards, so XLA
 gathers them one layer at a time. The gradient is laid out like the optimizer state (ZeRO's
 reduce-scatter) and clipped by its global norm, as on the manual path.
 
@@ -48,6 +49,23 @@ def microbatches(batch, k: int, shards: int):
     return jax.tree.map(split, batch)
 
 
+def _compute_shardings(trainer, named) -> dict:
+    """Each weight outside a layer stack at its compute layout (FSDP's storage gathered, tensor's
+    split kept). Without it XLA lays a model that constrains no activation out by its stored
+    weights: an embedding stored split over fsdp gives every device the whole batch split by
+    embed, and each layer all-reduces batch-wide activations (a Gemma-like model under fsdp=8:
+    8.3 MB a step against 0.85 MB with the weights gathered, temporaries 5.1 against 2.5 MB)."""
+    return {path: named(trainer.layout.spec(names, "compute")) for path, names in trainer.names.items() if "layers" not in names}
+
+
+def _constrained(params, shardings: dict):
+    def at(path, w):
+        key = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+        return jax.lax.with_sharding_constraint(w, shardings[key]) if key in shardings else w
+
+    return jax.tree_util.tree_map_with_path(at, params)
+
+
 def grads_fn(trainer, explicit: bool):
     """(params, batch) -> (mean loss, global gradient norm, clipped gradients laid out like the
     optimizer state), for ``trainer``'s model and layout, partitioned by XLA."""
@@ -60,11 +78,13 @@ def grads_fn(trainer, explicit: bool):
     opt_shardings = jax.tree.map(named, trainer.opt_specs_by_param, is_leaf=is_spec)
     dtype = jnp.dtype(cfg.compute_dtype)
 
+    at_use = _compute_shardings(trainer, named)
+
     def objective(params, micro_batch):
         cast = jax.tree.map(lambda w: w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w, params)
-        state = trainer._with_values(cast)
         if explicit:  # weights enter gathered (see the module docstring)
-            return trainer.loss_fn(nnx.merge(trainer.graphdef, state), micro_batch)
+            return trainer.loss_fn(nnx.merge(trainer.graphdef, trainer._with_values(cast)), micro_batch)
+        state = trainer._with_values(_constrained(cast, at_use))
         gather_layers_when_read(state)  # XLA would hoist one gather of every layer out of the loop
         with use_layout(layout, compute_dtype=dtype):
             return trainer.loss_fn(nnx.merge(trainer.graphdef, state), micro_batch)
