@@ -84,7 +84,7 @@ def local_blocks(num_blocks: int, ranks: int, ring: int) -> np.ndarray:
 
 def clean_places(length: int, ring: int, replicas: int = 1) -> np.ndarray:
     """(ring, length / ring) int: the places in [x_t ; x_0] of each ring rank's clean tokens, in
-    the order its ``replicas`` devices' pieces (``clean_pieces``) put them side by side."""
+    the order its ``replicas`` devices' pieces (``held_places``) put them side by side."""
     check_ring(length, ring)
     if length % (2 * ring * replicas):
         raise LayoutError(f"block parallelism splits each of the clean half's 2 x {ring} zigzag chunks over {replicas} devices: "
