@@ -10,14 +10,13 @@
    attention work imbalance (max / mean query-key pairs per device). The simulated devices share
    two cores, so a step's time is every device's work added up (BP repeats the clean half on each),
    not the busiest device's time on real hardware.
-2. Analytic, the ``bd3lm-8b`` shape (llama3-8b) at 32K-128K tokens, one sequence, on 16 v5p chips
-   and on 8 H100s (the topology files' FLOP/s, efficiency and link bandwidth): per device and
-   layer, the tokens held, the attention pairs of the busiest device, the K/V bytes sent, an
-   estimate of a device's memory (``layer_estimate`` says what it counts), and a
-   step-time estimate max(compute, ring traffic) with compute = matmul and attention FLOPs at the
-   chip's matmul efficiency and the ring overlapped with it, at the roofline's link bandwidth (the model of ``analysis/roofline.py``
-   for one layer, written out here for layouts it does not know). The ratio to CP stands next to
-   the paper's measured 1.61x (16 H200) and 7.59x (8 H100).
+2. Estimated (``analysis/block_diffusion.py``, no compile): a 14B model of the shape of the paper's
+   Nemotron-14B row (``nemotron_like``) at 64K-512K tokens, one sequence per data rank, on 16 H200
+   (two nodes, the CP rings inside a node) and 16 v5p chips, ``data=2`` times CP8, matched CSBP
+   and pure BP, then a sliding-window variant with ``clean_kv=fetch``: per step, the tokens a
+   device holds, the K/V GiB it sends (bf16 gradients, as the paper counts them), the step with
+   ideal kernels and its exposed communication, the step with jaxpar's kernels, each against
+   CP's, and a device's memory; next to the paper's K/V bytes, step ratio and exposed seconds.
 """
 
 from __future__ import annotations
@@ -34,17 +33,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxpar.analysis import hlo, roofline  # noqa: E402
+from jaxpar.analysis import block_diffusion, hlo  # noqa: E402
 from jaxpar.parallel.block import blocks as block_parallel  # noqa: E402
-from jaxpar.parallel.context.split_attention import FETCH, RING, sequence_order  # noqa: E402
+from jaxpar.parallel.context.split_attention import FETCH, RING  # noqa: E402
 from jaxpar.models import bd3lm  # noqa: E402
+from jaxpar.models.llama import LlamaConfig  # noqa: E402
 from jaxpar.parallel import build_layout, parse_strategy  # noqa: E402
 from jaxpar.topology import load_topology  # noqa: E402
 from jaxpar.train import data  # noqa: E402
 from jaxpar.train.step import TrainConfig, Trainer  # noqa: E402
-
-PAPER = {"tpu": "1.61x on 16 H200", "gpu": "7.59x on 8 H100"}  # BP/CSBP over CP, measured in the paper
-
 
 def cpu_rows(steps: int, seq_len: int, block_size: int, window: int):
     tiny = dataclasses.replace(bd3lm.CONFIGS["bd3lm-tiny"], block_size=block_size)
@@ -70,48 +67,38 @@ def cpu_rows(steps: int, seq_len: int, block_size: int, window: int):
         layout = trainer.layout
         ranks = max(1, int(np.prod([layout.mesh.shape[a] for a in layout.role(block_parallel.BLOCKS)])))
         ring = int(np.prod([layout.mesh.shape[a] for a in layout.role(RING)]))
-        work = device_pairs(seq_len, block_size, cfg.window, ranks, ring, bool(layout.role(FETCH)))
+        work = block_diffusion.device_pairs(seq_len, block_size, cfg.window, ranks, ring, bool(layout.role(FETCH)))
         yield strategy, cfg.window, statistics.median(times), sent, work.max() / work.mean()
 
 
-def device_pairs(length: int, block_size: int, window, ranks: int, ring: int, fetch: bool = False) -> np.ndarray:
-    """Query-key pairs per device: BP / CSBP from their shares; CP (ranks 1) from the zigzag order
-    of the whole [x_t ; x_0] over the ring."""
-    if ranks > 1:
-        return block_parallel.attention_work(length, block_size, ranks, ring, window, fetch)
-    places = sequence_order(2 * length, ring).reshape(ring, -1)
-    return block_parallel.keys_read(places, length, block_size, window).sum(axis=1)
+def nemotron_like(window: int | None = None) -> bd3lm.BD3LMConfig:
+    """A 14B block diffusion model of the shape the paper's Nemotron-Labs-Diffusion-14B row implies:
+    40 layers with 8 K/V heads of 128 (its 210 GiB of K/V per GPU at 256K tokens under CP8 is
+    exactly 3 x 7/8 of 40 such layers' [x_t ; x_0] K/V), width 5120, 40 heads, MLP 17408, a 131072
+    vocabulary (the published dense 14B models of that depth). The K/V bytes and the attention
+    FLOPs depend only on the layers, K/V heads and head widths."""
+    base = LlamaConfig(vocab_size=131_072, embed=5120, layers=40, heads=40, kv_heads=8, head_dim=128, mlp=17_408)
+    return bd3lm.diffusion_config(base, 131_071, window=window)
 
 
-def layer_estimate(cfg, length: int, topology, devices: int, strategy: str):
-    """Per device and layer for one sequence: (tokens held, busiest device's attention pairs, K/V
-    bytes sent, seconds, memory bytes) under ``strategy`` on ``devices`` chips (bf16, forward and
-    backward). Memory: the weights' state split over every device (16 bytes a weight: float32
-    weights, gradients and two Adam moments), each layer's bf16 input kept for the backward pass
-    (remat full) and one layer's working set (its input, q/k/v/out and the MLP's three activations,
-    bf16; the attention itself flash-like, linear in the tokens)."""
-    parsed = parse_strategy(strategy, devices)
-    ranks, ring = parsed.written_degrees["block"], parsed.degrees["context"]
-    if ranks > 1:
-        # BP: the noisy blocks and the clean prefix; CSBP: 2L / P tokens, the clean half travelling
-        held = length // ranks + (block_parallel.clean_prefix(length, cfg.block_size) if ring == 1 else length // ranks)
-        pairs = block_parallel.attention_work(length, cfg.block_size, ranks, ring, cfg.window).max()
-        moving = length if ring > 1 else 0
-    else:
-        held = 2 * length // ring
-        pairs = device_pairs(length, cfg.block_size, cfg.window, 1, ring).max()
-        moving = 2 * length  # the whole [x_t ; x_0]
-    kv = moving * cfg.kv_heads * cfg.head_dim * 2 * 2  # K and V, bf16
-    sent = 2 * (ring - 1) / ring * kv + 2 * kv if ring > 1 else 0.0  # forward, backward, float32 K/V gradients home
-    group = ranks // ring if ranks > 1 else 1  # CSBP with P > C: a rank's pieces all-gathered (twice: remat) and reduce-scattered
-    sent += 3 * (group - 1) / group * kv / ring
-    weights = 2 * cfg.embed * cfg.heads * cfg.head_dim + 2 * cfg.embed * cfg.kv_heads * cfg.head_dim + 3 * cfg.embed * cfg.mlp
-    flops = 3 * (2 * held * weights + 4 * pairs * cfg.heads * cfg.head_dim)  # forward, backward twice
-    compute = flops / (topology.peak_bf16_flops * roofline.matmul_efficiency(topology.chip))
-    seconds = max(compute, roofline.collective_seconds("collective-permute", sent, False, topology))
-    saved = cfg.layers * held * cfg.embed * 2
-    working = held * (2 * cfg.embed + (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim + 3 * cfg.mlp) * 2
-    return held, pairs, sent, seconds, 16 * cfg.num_params() / devices + saved + working
+def paper_kv_gib(cfg, length: int, ring: int, clean_only: bool) -> float:
+    """The paper's K/V accounting per GPU and step: 3 x (C-1)/C of the travelling tokens' bf16 K/V
+    per layer (forward K/V, backward K/V, backward gradients), no hop home."""
+    moving = length if clean_only else 2 * length
+    return 3 * (ring - 1) / ring * moving * 2 * cfg.kv_heads * cfg.head_dim * 2 * cfg.layers / 2**30
+
+
+def estimate_rows(cfg, topology, layouts, lengths):
+    """Per length, each layout's estimate with ideal and with jaxpar's kernels (bf16 K/V gradients,
+    as the paper sends them)."""
+    for length in lengths:
+        cp = {k: block_diffusion.estimate(cfg, length, topology, layouts[0], k, grad_bytes=2) for k in block_diffusion.KERNELS}
+        for strategy in layouts:
+            ideal, ours = (block_diffusion.estimate(cfg, length, topology, strategy, k, grad_bytes=2) for k in block_diffusion.KERNELS)
+            fits = "" if ideal.memory_bytes <= topology.hbm_bytes else " (over)"
+            print(f"{length // 1024:5d}K {strategy:38s} {ideal.tokens_held:8d} {ideal.kv_bytes_per_step / 2**30:8.1f} "
+                  f"{ideal.step_s:8.2f} {sum(ideal.exposed_s.values()):8.3f} {cp['ideal'].step_s / ideal.step_s:6.2f}x "
+                  f"{ours.step_s:8.2f} {cp['jaxpar'].step_s / ours.step_s:6.2f}x {ideal.memory_bytes / 1e9:7.1f}{fits}")
 
 
 def main():
@@ -120,7 +107,8 @@ def main():
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--window", type=int, default=32, help="the sliding-window model's, in tokens")
-    parser.add_argument("--skip-cpu", action="store_true", help="only the analytic 8B table")
+    parser.add_argument("--estimate-window", type=int, default=8192, help="the estimated sliding-window model's, in tokens")
+    parser.add_argument("--skip-cpu", action="store_true", help="only the estimates")
     args = parser.parse_args()
     if not args.skip_cpu:
         print(f"bd3lm-tiny, 8 simulated CPU devices, batch 8 x {args.seq_len} ([x_t ; x_0]: {2 * args.seq_len} positions), "
@@ -131,21 +119,23 @@ def main():
             base.setdefault(window, seconds)
             kinds = ", ".join(f"{kind} {row['bytes_per_device']:,.0f}" for kind, row in sent.items())
             print(f"{strategy:34s} {window or '-':>6} {seconds:7.3f} {base[window] / seconds:5.2f}x {imbalance:9.3f}  {kinds}")
-    cfg = bd3lm.CONFIGS["bd3lm-8b"]
-    for topology, devices in ((load_topology("v5p-32"), 16), (load_topology("gpu-h100-8"), 8)):
-        ring = 4 if devices > 8 else 2
-        print(f"\nbd3lm-8b, one sequence, {devices} x {topology.chip}; per device and layer, estimated "
-              f"(the paper: {PAPER[topology.platform]})")
-        print(f"{'tokens':>7s} {'strategy':22s} {'held':>8s} {'pairs (max)':>14s} {'K/V sent':>12s} {'ms':>8s} {'vs CP':>6s} {'memory':>9s}")
-        for length in (32_768, 65_536, 131_072):
-            layouts = [f"context={devices}", f"block={devices}", f"block={devices},context={devices}", f"block={devices},context={ring}"]
-            rows = [(s, layer_estimate(cfg, length, topology, devices, s)) for s in layouts]
-            cp = rows[0][1][3]
-            for s, (held, pairs, sent, seconds, memory) in rows:
-                fits = "" if memory <= topology.hbm_bytes else " (over)"
-                print(f"{length:7d} {s:22s} {held:8d} {pairs:14,d} {sent / 2**20:9.1f} MiB {1e3 * seconds:8.2f} {cp / seconds:5.2f}x "
-                      f"{memory / 1e9:6.1f} GB{fits}")
-
+    header = (f"{'tokens':>6s} {'strategy':38s} {'held':>8s} {'K/V GiB':>8s} {'step s':>8s} {'exposed':>8s} {'vs CP':>7s} "
+              f"{'jaxpar s':>8s} {'vs CP':>7s} {'mem GB':>7s}")
+    cfg = nemotron_like()
+    for topology in (load_topology("gpu-h200-16"), load_topology("v5p-32")):
+        print(f"\n14B (Nemotron-like), one sequence per data rank, {topology.num_chips} x {topology.chip}, "
+              f"{topology.num_slices} node(s) or slice(s); per step, estimated with exposed communication "
+              f"(analysis/block_diffusion.py); 'step s' with ideal kernels, 'jaxpar s' with jaxpar's")
+        print(header)
+        estimate_rows(cfg, topology, ["data=2,context=8", "data=2,block=8,context=8", "data=2,block=8"],
+                      (65_536, 131_072, 262_144, 524_288))
+    print(f"\nthe paper's K/V per GPU at 256K: CP8 {paper_kv_gib(cfg, 262_144, 8, False):.0f} GiB, CSBP "
+          f"{paper_kv_gib(cfg, 262_144, 8, True):.0f} GiB (it measures 210 -> 105; step 1.18x, exposed 3.03 -> 2.41 s of 66.5 s)")
+    windowed = nemotron_like(window=args.estimate_window)
+    print(f"\nthe same with a {args.estimate_window}-token window, 16 x H200 (the paper: 1.45x at 256K, 1.61x at 512K)")
+    print(header)
+    estimate_rows(windowed, load_topology("gpu-h200-16"), ["data=2,context=8", "data=2,block=8,context=8,clean_kv=fetch"],
+                  (262_144, 524_288))
 
 if __name__ == "__main__":
     main()

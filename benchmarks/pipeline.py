@@ -19,6 +19,14 @@ On simulated CPU devices all "devices" share the host's cores, so the step time 
 work (each backward recomputes its forward), not the critical path: the bubble shows in step time
 only on real, parallel devices. The last row is the same model without a pipeline, for reference.
 
+First, estimated (no compile, ``analysis/overlap.py``): ``llama3-8b`` in S stages, one stage per
+node of 8 H100s (``gpu-h100-64``: every stage boundary on InfiniBand), data=8 inside a node, m
+micro-batches of 8 x 4096 tokens: a forward's seconds from the stage's matmul FLOPs at the
+roofline's H100 efficiency, a backward twice that, a send one GPU's activation at the node's
+InfiniBand share; the step run per device in the schedule's program order (a send exposed only on
+the critical path) and in lockstep (the SPMD executor: every send exposed), and the same with a link
+slow enough that a send takes half a forward, where eager 1F1B pays off.
+
 Then the MPMD pipeline (``parallel/stage/mpmd.py``), each stage on 8/S devices with a layout of its own
 (``--mpmd-specs``, default alternating ``data=k`` and ``tensor=k``), per schedule: first-step
 seconds (compiles included), step ms, and the activation bytes that crossed between stages per step
@@ -40,11 +48,15 @@ def main():
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--estimate-only", action="store_true", help="only the estimated table")
     parser.add_argument("--mpmd-specs", default=None, help="comma-free specs joined by ';', e.g. 'tensor=4;data=4'")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+    estimate_table(args.stages, args.microbatches)
+    if args.estimate_only:
+        return
     import jax
     from flax import nnx
 
@@ -140,6 +152,37 @@ def main():
         sent = (pipe.traffic.forward_bytes + pipe.traffic.backward_bytes) / 2**20
         print(f"{label:<20} {first_s:>12.1f} {step_ms:>8.1f} {sent:>8.2f} "
               f"{pipe.traffic.naive_bytes / 2**20:>9.2f}")
+
+
+def estimate_table(S: int, m: int):
+    from jaxpar.analysis import overlap, roofline
+    from jaxpar.models import llama
+    from jaxpar.parallel.stage import schedules as sc
+    from jaxpar.topology import load_topology
+
+    cfg, topology, tokens = llama.CONFIGS["llama3-8b"], load_topology("gpu-h100-64"), 4096  # per GPU per micro-batch
+    rate = topology.peak_bf16_flops * roofline.matmul_efficiency(topology.chip)
+    layer = cfg.embed * (cfg.heads + cfg.kv_heads) * cfg.head_dim * 2 + 3 * cfg.embed * cfg.mlp
+    forward = 2 * layer * cfg.layers / S * tokens / rate
+    send = tokens * cfg.embed * 2 / roofline.link_bandwidth(topology, True)
+    print(f"estimated: llama3-8b, {S} stages of 8 x H100 (InfiniBand between), {m} micro-batches of 8 x {tokens}; "
+          f"forward {1e3 * forward:.1f} ms, backward {2e3 * forward:.1f} ms, send {1e3 * send:.2f} ms "
+          f"(slow link: {0.5e3 * forward:.1f} ms)")
+    header = f"{'schedule':<20} {'bubble':>7} {'step s':>7} {'exposed':>8} {'lockstep s':>10} {'exposed':>8} {'slow link s':>11} {'exposed':>8}"
+    print(header)
+    print("-" * len(header))
+    for name, chunks in [("gpipe", 1), ("1f1b", 1), ("eager-1f1b", 1), ("interleaved-1f1b", 2)]:
+        try:
+            schedule = sc.make(name, S, m, chunks)
+        except sc.ScheduleError as error:
+            print(f"{name:<20} skipped: {error}")
+            continue
+        f = forward / chunks
+        cells = [(overlap.schedule_seconds(schedule, f, 2 * f, x, lockstep), overlap.schedule_exposed(schedule, f, 2 * f, x, lockstep))
+                 for x, lockstep in ((send, False), (send, True), (forward / 2, False))]
+        print(f"{name if chunks == 1 else f'{name} v={chunks}':<20} {schedule.bubble_fraction():>7.3f} "
+              + " ".join(f"{step:>{w}.3f} {exposed:>8.3f}" for (step, exposed), w in zip(cells, (7, 10, 11))))
+    print()
 
 
 if __name__ == "__main__":

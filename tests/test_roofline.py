@@ -225,7 +225,7 @@ def test_decode_latency_is_weight_streaming_plus_the_all_reduces_tp_waits_on():
     cfg, topology, latency = llama.CONFIGS["llama3-8b"], load_topology("gpu-h100-8"), 10e-6
     attention = (4096 * 4096 * 2 + 4096 * 1024 * 2) * 2 / 8 + 2 * 1024 * 8 * 128 * 2 / 8  # weights + the cache's keys and values
     mlp = 3 * 4096 * 14336 * 2 / 8
-    reduce = latency + 2 * 7 / 8 * 4096 * 2 / (2 * 25e9)  # one activation over NVLink's bidirectional ring model
+    reduce = latency + 2 * 7 / 8 * 4096 * 2 / (18 * 25e9)  # one activation over all 18 NVLinks to the switch
     head = 128_256 * 4096 * 2 / 8 / 3350e9 + reduce
     tp = 32 * ((attention + mlp) / 3350e9 + 2 * reduce) + head
     dtp = 32 * (max(attention / 3350e9, reduce) + max(mlp / 3350e9, reduce)) + head
@@ -248,3 +248,59 @@ def test_a_mixture_of_experts_is_priced_by_the_weights_a_token_runs_through():
                                  batch_axes=("fsdp", "expert"))
     assert est.full_attention_flops == pytest.approx(cfg.flops_per_token(seq) * batch * seq, rel=1e-12)
     assert cfg.num_params() / cfg.active_params() == pytest.approx(3.6, abs=0.05)
+
+
+def test_a_block_diffusion_row_is_its_formula_by_hand():
+    """CSBP (block=2,context=2) and CP (context=2), data=2 on cpu-4, 64 tokens in blocks of 16:
+    tokens, pairs, K/V bytes, compute and each exposed part, recomputed here from the module doc."""
+    from jaxpar.analysis import block_diffusion
+    from jaxpar.models import bd3lm
+
+    # 8 K/V heads of 16: a hop outlasts the ring step's attention, so the max() below counts
+    cfg, topology = dataclasses.replace(bd3lm.CONFIGS["bd3lm-tiny"], block_size=16, kv_heads=8), load_topology("cpu-4")
+    row = block_diffusion.estimate(cfg, 64, topology, "data=2,block=2,context=2")
+    # noisy: device 0 owns blocks (0, 3), device 1 (1, 2), each pair 16 queries x (1 + 4) blocks of 16 keys; clean:
+    # zigzag chunks (0, 3) and (1, 2) of 16 tokens, a token of clean block c reading (c + 1) x 16 keys
+    assert (row.tokens_held, row.pairs) == (32 + 32, 16 * 16 * 5 + 16 * 16 + 16 * 64)
+    rate, link = 1e12, 2 * 10e9  # cpu-4's nominal FLOP/s (efficiency 1.0) and a ring over its ICI both ways
+    layer_weights = 2 * 128 * 8 * 16 + 2 * 128 * 8 * 16 + 3 * 128 * 384
+    attention = 4 * 2560 * 8 * 16 / rate
+    layer = 8 * 64 * layer_weights / rate + 4.5 * attention
+    assert row.compute_s == pytest.approx(4 * layer + 8 * 32 * 128 * cfg.vocab_size / rate, rel=1e-12)
+    chunk = 32 * (2 * 8 * 16 * 2)  # the clean L / C tokens' bf16 K and V
+    assert row.kv_bytes == 2 * chunk + 2 * (2 * chunk)  # one hop each way, float32 gradients 2 hops (one home)
+    forward = max(0.0, chunk / link - attention / 2)
+    backward = max(0.0, 3 * chunk / link - 2.5 * attention / 2) + 2 * chunk / link
+    assert forward > 0
+    assert row.exposed_s["ring"] == pytest.approx(4 * (forward + backward), rel=1e-12)
+    assert row.exposed_s["share"] == 0
+    share = 3 / 4 * layer_weights
+    transfer = (2 * 2 * share + 4 * share) / link
+    assert row.exposed_s["weights"] == pytest.approx((2 * share + 4 * share) / link + 4 * max(0.0, transfer - layer), rel=1e-12)
+    assert row.step_s == pytest.approx(row.compute_s + sum(row.exposed_s.values()), rel=1e-12)
+    # jaxpar's kernels: CSBP's held queries against its 32 noisy keys and all 64 clean ones; CP's ring every pair of
+    # 32-token chunks (2 x 2 a step, 2 steps); the ideal CP kernel the same 2560 pairs as CSBP's
+    assert block_diffusion.estimate(cfg, 64, topology, "data=2,block=2,context=2", "jaxpar").pairs == 64 * (32 + 64)
+    cp = {k: block_diffusion.estimate(cfg, 64, topology, "data=2,context=2", k) for k in block_diffusion.KERNELS}
+    assert (cp["ideal"].pairs, cp["jaxpar"].pairs, cp["ideal"].tokens_held) == (2560, 2 * 4 * 32 * 32, 64)
+    assert cp["ideal"].kv_bytes == 2 * (2 * chunk) + 2 * (4 * chunk)  # all of [x_t ; x_0] travels: twice the chunk
+    with pytest.raises(ValueError, match="block=P,context=C"):
+        block_diffusion.estimate(cfg, 64, topology, "data=1,block=3,context=2,fsdp=-1")
+
+
+def test_a_pipeline_row_is_its_schedule_run_by_hand():
+    """GPipe, 2 stages, 2 micro-batches, F 1 s, B 2 s, a send 0.5 s. Run by hand: stage 0 F0 [0, 1] F1 [1, 2];
+    stage 1 F0 [1.5, 2.5] F1 [2.5, 3.5] B0 [3.5, 5.5] B1 [5.5, 7.5]; stage 0 B0 [6, 8] B1 [8, 10]: 10 s, 9 without
+    the sends. In lockstep (6 ticks of 1, 1, 1, 2, 2, 2 s; ticks 0, 1, 3 and 4 send): 9 + 4 x 0.5."""
+    from jaxpar.analysis import overlap
+    from jaxpar.parallel.stage import schedules
+
+    gpipe = schedules.gpipe(2, 2)
+    assert overlap.schedule_seconds(gpipe, 1.0, 2.0, 0.5) == 10.0
+    assert overlap.schedule_exposed(gpipe, 1.0, 2.0, 0.5) == 1.0
+    assert overlap.schedule_seconds(gpipe, 1.0, 2.0, 0.5, lockstep=True) == 11.0
+    # a send longer than a forward: eager 1F1B's extra warm-up forwards hide what 1F1B waits on
+    one, eager = schedules.one_f_one_b(4, 8), schedules.eager_one_f_one_b(4, 8)
+    assert overlap.schedule_exposed(eager, 1.0, 2.0, 1.5) < overlap.schedule_exposed(one, 1.0, 2.0, 1.5)
+    assert overlap.ring_exposed(3.0, 1.0, 4, home_s=0.5) == 3 * 2.0 + 0.5
+    assert overlap.ring_exposed(1.0, 3.0, 4) == 0.0

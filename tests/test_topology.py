@@ -22,7 +22,7 @@ from jaxpar.tpu_slices import GENERATIONS
 
 SHIPPED = [
     "cpu-1", "cpu-4", "cpu-8", "tpu-v4-128", "tpu-v5e-256", "tpu-v5p-256", "tpu-v5p-1024",
-    "tpu-v6e-256", "tpu-v5p-256x2", "tpu-v6e-256x2", "gpu-h100-8", "gpu-h100-64", "gpu-h200-8",
+    "tpu-v6e-256", "tpu-v5p-256x2", "tpu-v6e-256x2", "gpu-h100-8", "gpu-h100-64", "gpu-h200-8", "gpu-h200-16",
 ]
 TPU_FILES = [n for n in list_topologies() if n.startswith("tpu-")]
 SLICES = [name for g in GENERATIONS.values() for name in g.slices]

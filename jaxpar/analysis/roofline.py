@@ -70,9 +70,9 @@ MATMUL_EFFICIENCY = {
     "tpu-v6e": 0.55,
     "tpu-v6-lite": 0.55,  # the device kind JAX reports for a v6e
     # MaxText's Llama2-7B on one A3 node of 8 H100s (PUBLISHED_RUNS): 492 TFLOP/s per chip
-    "nvidia-h100": 0.53,
+    "nvidia-h100": 0.51,
     # not measured: the H100's Hopper tensor cores (only HBM, modelled apart, differs)
-    "nvidia-h200": 0.53,
+    "nvidia-h200": 0.51,
     # the cpu topologies' FLOP/s are nominal already (meshes/cpu-*.toml): no discount on top
     "cpu": 1.0,
 }
@@ -88,14 +88,24 @@ LOGIT_BYTES, LOGIT_PASSES = 4, 4  # float32 logits: written, read for log-sum-ex
 
 
 def collective_seconds(kind: str, bytes_sent: float, crosses_dcn: bool, topology: Topology) -> float:
-    """Seconds for one device to send ``bytes_sent`` in a collective of ``kind``.
+    """Seconds for one device to send ``bytes_sent`` in a collective of ``kind``: bytes over
+    ``link_bandwidth``, a quarter of that for an all-to-all on a torus (the cost model of the
+    public "How to Scale Your Model" book; the nominal CPU topologies are priced as tori)."""
+    seconds = bytes_sent / link_bandwidth(topology, crosses_dcn)
+    return seconds * _ALL_TO_ALL_FACTOR if kind == "all-to-all" and topology.platform != "gpu" else seconds
 
-    The cost model of the public "How to Scale Your Model" book, on bidirectional rings: bytes /
-    (2 x per-link bandwidth) over ICI (a ring sends both ways at once), a quarter of that for an
-    all-to-all; over DCN each chip has its own unidirectional share of the data-centre network."""
-    bandwidth = topology.dcn_bandwidth if crosses_dcn else 2 * topology.ici_bandwidth
-    seconds = bytes_sent / bandwidth
-    return seconds * _ALL_TO_ALL_FACTOR if kind == "all-to-all" else seconds
+
+def link_bandwidth(topology: Topology, crosses_dcn: bool) -> float:
+    """Bytes/s one chip sends on a link tier. DCN (between slices or nodes): the chip's own
+    unidirectional share of the data-centre network. A TPU torus: a bidirectional ring on one axis,
+    both links of that axis at once (2 x per-link). A GPU node: every NVLink goes to the NVSwitch,
+    so a chip sends to any peer on all of them (links x per-link, one direction); an all-to-all
+    gains nothing over a ring there."""
+    if crosses_dcn:
+        return topology.dcn_bandwidth
+    if topology.platform == "gpu":
+        return topology.ici_links_per_chip * topology.ici_bandwidth
+    return 2 * topology.ici_bandwidth
 
 
 def matmul_efficiency(chip: str) -> float:

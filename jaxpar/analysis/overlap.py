@@ -1,0 +1,57 @@
+"""Exposed communication: the part of a transfer that no compute hides, for the two shapes of overlap
+jaxpar's layouts have.
+
+- A ring (context parallelism's K/V, CSBP's clean K/V): step i computes on the chunk that arrived
+  while the next chunk travels, so each of the ranks - 1 hops hides under one step's compute and
+  only what a hop takes beyond it waits (``ring_exposed``); a transfer after the last step (the
+  K/V gradients' hop home) has nothing left to hide under.
+- A pipeline schedule (``parallel/stage/schedules.py``): each forward and backward waits for its
+  input from the neighbouring stage, sent when the neighbour finished. ``schedule_seconds`` runs
+  the schedule's per-device program order with real durations; a send is exposed where it lies on
+  the critical path (the fill and the drain, or a send longer than the work between two actions).
+  Run in lockstep (the SPMD executor: one ``lax.scan`` step per tick, each tick ending with its
+  collective-permute), every tick lasts its slowest action plus its send, and no send hides.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxpar.parallel.stage.schedules import BACKWARD, FORWARD, IDLE, Schedule
+
+
+def ring_exposed(hop_s: float, step_s: float, ranks: int, home_s: float = 0.0) -> float:
+    """Seconds a ring of ``ranks`` steps waits on its links: ranks - 1 hops of ``hop_s`` each, each
+    under one step of ``step_s`` compute, plus ``home_s`` sent after the last step."""
+    return (ranks - 1) * max(0.0, hop_s - step_s) + home_s
+
+
+def schedule_seconds(schedule: Schedule, forward_s: float, backward_s: float, send_s: float, lockstep: bool = False) -> float:
+    """Seconds from the first action to the last of ``schedule`` when a forward takes ``forward_s``,
+    a backward ``backward_s`` and a send between stages ``send_s`` (``lockstep``: the SPMD
+    executor's ticks, see the module doc)."""
+    kind = schedule.kind
+    seconds = np.where(kind == FORWARD, forward_s, np.where(kind == BACKWARD, backward_s, 0.0))
+    S, V = schedule.stages, schedule.virtual_stages
+    if lockstep:
+        k = schedule.chunk * S + np.arange(S)
+        sends = ((kind == FORWARD) & (k < V - 1)) | ((kind == BACKWARD) & (k > 0))  # what a neighbour reads
+        return float(seconds.max(axis=1).sum() + send_s * sends.any(axis=1).sum())
+    done_f = np.zeros((schedule.microbatches, V))
+    done_b = np.zeros((schedule.microbatches, V))
+    free = np.zeros(S)  # when each device finishes its last action
+    for t, s in zip(*np.nonzero(kind != IDLE)):  # tick order: every input is placed before its reader
+        i, k = schedule.microbatch[t, s], schedule.chunk[t, s] * S + s
+        if kind[t, s] == FORWARD:
+            ready = done_f[i, k - 1] + send_s if k > 0 else 0.0
+            done_f[i, k] = free[s] = max(free[s], ready) + forward_s
+        else:
+            ready = max(done_f[i, k], done_b[i, k + 1] + send_s if k < V - 1 else 0.0)
+            done_b[i, k] = free[s] = max(free[s], ready) + backward_s
+    return float(free.max())
+
+
+def schedule_exposed(schedule: Schedule, forward_s: float, backward_s: float, send_s: float, lockstep: bool = False) -> float:
+    """Seconds the sends add to ``schedule``'s step: with them against without."""
+    return (schedule_seconds(schedule, forward_s, backward_s, send_s, lockstep)
+            - schedule_seconds(schedule, forward_s, backward_s, 0.0, lockstep))
