@@ -116,7 +116,8 @@ def format_summary(report: dict) -> str:
     for kind, row in comm.items():
         if kind in ("by_axes", "scalar all-reduce", "note"):
             continue
-        lines.append(f"  {kind:22s} {row['count']:7d} {row['measured_bytes']:14,.0f} {row['optimal_bytes']:14,.0f} {row['ratio']:7.3f}")
+        optimum = f"{row['optimal_bytes']:14,.0f} {row['ratio']:7.3f}" if row["ratio"] is not None else f"{'no formula':>14s}"
+        lines.append(f"  {kind:22s} {row['count']:7d} {row['measured_bytes']:14,.0f} {optimum}")
     scalars = comm["scalar all-reduce"]
     lines.append(f"  {'scalar all-reduce':22s} {scalars['count']:7d} {scalars['measured_bytes']:14,.0f}   (loss, gradient norm)")
     for name, row in comm["by_axes"].items():

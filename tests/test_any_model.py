@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.analysis import hlo
+from jaxpar.analysis import hlo, traffic
 from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.train.step import TrainConfig, Trainer, TrainState
@@ -51,9 +51,10 @@ class Block(nnx.Module):
 
 
 class UserModel(nnx.Module):
-    def __init__(self, vocab=64, d=32, heads=4, hidden=64, layers=2, stacked=False, out_sharding=True, *, rngs):
+    def __init__(self, vocab=64, d=32, heads=4, hidden=64, layers=2, stacked=False, out_sharding=True, tied=True, *, rngs):
         self.stacked, self.out_sharding = stacked, out_sharding
         self.embed = nnx.Embed(vocab, d, embedding_init=part(init, ("vocab", "embed")), rngs=rngs)
+        self.head = None if tied else nnx.Linear(d, vocab, use_bias=False, kernel_init=part(init, ("embed", "vocab")), rngs=rngs)
         if stacked:
             @nnx.split_rngs(splits=layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -76,7 +77,7 @@ class UserModel(nnx.Module):
         else:
             for block in self.blocks:
                 x = block(x)
-        return self.embed.attend(self.norm(x))  # tied embeddings
+        return self.embed.attend(self.norm(x)) if self.head is None else self.head(self.norm(x))  # tied embeddings, or a head
 
 
 def user_loss(model, tokens):
@@ -141,13 +142,17 @@ def assert_equal_to_one_device(got, want, start):
 
 
 def test_the_step_is_no_bigger_than_plain_jit_with_the_same_shardings():
-    # the user's model with no activation constraint, compiled by jaxpar and by plain jax.jit with
-    # the same weight, optimizer and batch shardings: jaxpar's temporaries and collective bytes are
-    # at most jit's on every layout (it lays each weight out for compute where it is used, so the
-    # batch stays split; jit alone splits the activations by embed under FSDP)
+    # the user's model (its own head, no activation constraint), compiled by jaxpar and by plain
+    # jax.jit with the same weight, optimizer and batch shardings: jaxpar's temporaries and
+    # collective bytes are at most jit's on every layout (it lays each weight out for compute where
+    # it is used, so the batch stays split; jit alone splits the activations by embed under FSDP),
+    # and its report's ratios are 1.0 where the formula knows the traffic (the weights' gathers and
+    # reductions: derived from the model's own weights) and say "no formula" where it does not
+    # (the activations' collectives under tensor parallelism)
     for spec in ("data=8", "fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2", "fsdp=8,param_shards=4"):
-        layout = build_layout(parse_strategy(spec, 8), jax.devices(), aliases=ALIASES)
-        trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, out_sharding=False), user_loss, CFG, optimizer=OPTIMIZER)
+        strategy = parse_strategy(spec, 8)
+        layout = build_layout(strategy, jax.devices(), aliases=ALIASES)
+        trainer = Trainer(layout, lambda rngs: UserModel(rngs=rngs, out_sharding=False, tied=False), user_loss, CFG, optimizer=OPTIMIZER)
         state = trainer.init(seed=0)
         batch = trainer.put_batch(np.asarray(jax.random.randint(jax.random.key(1), (8, 17), 0, 64)))
         ours = trainer.jit_step(batch).lower(state, batch).compile()
@@ -165,6 +170,13 @@ def test_the_step_is_no_bigger_than_plain_jit_with_the_same_shardings():
         sent = {name: sum(x.bytes_per_step for x in hlo.collectives(c.as_text(), layout.mesh)) for name, c in programs.items()}
         assert temporaries["jaxpar"] <= temporaries["jit"], (spec, temporaries)
         assert sent["jaxpar"] <= sent["jit"], (spec, sent)
+        report = traffic.compare(ours.as_text(), trainer, strategy, (8, 17))
+        rows = {kind: row for kind, row in report.items() if "ratio" in row}
+        unknown = {kind for kind, row in rows.items() if row["ratio"] is None}
+        assert all("no_formula" in rows[kind] for kind in unknown), rows
+        assert ("all-reduce" in unknown and unknown <= {"all-reduce", "all-to-all", "collective-permute", "all-gather"}
+                if "tensor" in spec else not unknown), (spec, rows)
+        assert all(row["ratio"] == pytest.approx(1.0, abs=0.02) for kind, row in rows.items() if kind not in unknown), (spec, rows)
 
 
 @pytest.mark.parametrize("spec", LAYOUTS)

@@ -63,6 +63,7 @@ class Collective:
     executions: int  # times it runs per call of the program
     lowered_as: str = ""  # the op XLA emitted when it differs from the kind it implements (see below)
     senders: float = 1.0  # collective-permute: the share of the devices that send (see the module doc)
+    scalars: bool = False  # an all-reduce of scalars only (a loss, the pieces of a norm): in no formula
 
     @property
     def bytes_per_execution(self) -> float:
@@ -405,6 +406,9 @@ def _executions(comps, roots, table, entry) -> dict[str, int]:
 # are counted as the collective they implement, with ``lowered_as="all-reduce"``.
 
 _PASS_THROUGH = ("bitcast", "copy", "reshape", "transpose", "copy-start", "copy-done")
+# a slice of their result reads only the same slice of an operand of their shape (two gradients of
+# one weight added, then sliced)
+_ELEMENTWISE = ("add", "subtract", "multiply", "divide", "convert", "negate", "maximum", "minimum", "select")
 
 
 def _writes_own_slice(name: str, table, comps, roots) -> bool:
@@ -425,35 +429,74 @@ def _writes_own_slice(name: str, table, comps, roots) -> bool:
     return False
 
 
-def _keeps_own_slice(name: str, users, table, comps, depth: int = 0) -> bool:
-    """Does every use of ``name`` keep only a dynamic slice of it (through fusions and copies)?"""
+def _slices_kept(name: str, users, table, comps, depth: int = 0) -> set[int] | None:
+    """The element counts of the dynamic slices every use of ``name`` keeps of it (through fusions,
+    copies and elementwise ops of its shape); None where a use reads more than a slice."""
     uses = users.get(name, [])
     if not uses or depth > 8:
-        return False
+        return None
+    kept: set[int] = set()
     for use in uses:
         if use.opcode == "dynamic-slice" and use.operands[0] == name:
+            kept.add(_elements(use.shape))
             continue
-        if use.opcode in _PASS_THROUGH or use.opcode == "get-tuple-element":
-            if _keeps_own_slice(use.name, users, table, comps, depth + 1):
-                continue
-            return False
-        if use.opcode == "fusion":
+        if use.opcode in _PASS_THROUGH or use.opcode == "get-tuple-element" or (
+                use.opcode in _ELEMENTWISE and _elements(use.shape) == _elements(table[name].shape)):
+            inner = [_slices_kept(use.name, users, table, comps, depth + 1)]
+        elif use.opcode == "fusion":
             called = [n for _, n in _callees(use)]
             params = {int(i.raw): i.name for i in comps.get(called[0], []) if i.opcode == "parameter"} if called else {}
-            inner = [params.get(k) for k, o in enumerate(use.operands) if o == name]
-            if inner and all(p and _keeps_own_slice(p, users, table, comps, depth + 1) for p in inner):
-                continue
-        return False
-    return True
+            inner = [_slices_kept(params[k], users, table, comps, depth + 1) if k in params else None
+                     for k, o in enumerate(use.operands) if o == name]
+        else:
+            return None
+        if not inner or any(x is None for x in inner):
+            return None
+        kept.update(*inner)
+    return kept
 
 
-def _implemented_kind(ins, table, comps, roots, users) -> str:
-    """The collective an all-reduce implements: all-gather, reduce-scatter, or all-reduce."""
+def _elements(shape: str) -> int:
+    dims = re.search(r"\[([\d,]*)\]", shape)
+    return math.prod(int(d) for d in dims[1].split(",") if d) if dims else 0
+
+
+def _scatters(name: str, operand_shape: str, group: int, users, table, comps) -> bool:
+    """Does every use of ``name`` keep only this device's 1/group slice of it (a reduce-scatter)?"""
+    kept = _slices_kept(name, users, table, comps)
+    return bool(kept) and all(k * group == _elements(operand_shape) for k in kept)
+
+
+def _implemented_kind(ins, group: int, table, comps, roots, users) -> str:
+    """The collective an all-reduce over groups of ``group`` implements: all-gather,
+    reduce-scatter, or all-reduce."""
     if ins.operands and all(_writes_own_slice(o, table, comps, roots) for o in ins.operands):
         return "all-gather"
-    if _keeps_own_slice(ins.name, users, table, comps):
+    if len(ins.operands) == 1 and ins.operands[0] in table and _scatters(ins.name, table[ins.operands[0]].shape, group, users, table, comps):
         return "reduce-scatter"
     return "all-reduce"
+
+
+def _element_kinds(ins, group: int, table, comps, users) -> list[str] | None:
+    """Per operand of an all-reduce XLA combined from several (a tuple: gradients sliced after it,
+    a scalar loss beside them), reduce-scatter or all-reduce, a scalar apart ("scalar
+    all-reduce"); None unless the result is only read element by element."""
+    if len(ins.operands) < 2:
+        return None
+    elements = defaultdict(list)
+    for use in users.get(ins.name, []):
+        index = re.search(r"\bindex=(\d+)", use.attrs) if use.opcode == "get-tuple-element" else None
+        if index is None:
+            return None
+        elements[int(index[1])].append(use)
+    kinds = []
+    for i, operand in enumerate(ins.operands):
+        shape = table[operand].shape if operand in table else ""
+        if elements[i] and all(_scatters(e.name, shape, group, users, table, comps) for e in elements[i]):
+            kinds.append("reduce-scatter")
+        else:
+            kinds.append("scalar all-reduce" if _elements(shape) == 1 else "all-reduce")
+    return kinds
 
 
 # Multi-slice TPU programs hand cross-slice collectives to the runtime as host-transfer sends.
@@ -526,15 +569,33 @@ def collectives(hlo_text: str, mesh, dcn_axes: tuple[str, ...] = (), num_slices:
             else:
                 groups = replica_groups(ins.attrs, mesh.devices.size)
                 size, axes = groups.shape[1], _axes_spanned(groups, mesh)
-            lowered_as = ""
             if kind == "all-reduce":
                 source = done[ins.name] if ins.opcode.endswith("-start") and ins.name in done else ins
-                implemented = _implemented_kind(ins, table, comps, roots, {**users, ins.name: users.get(source.name, [])})
-                if implemented != kind:
-                    kind, lowered_as = implemented, "all-reduce"
+                out += _reductions(ins, table, comps, roots, {**users, ins.name: users.get(source.name, [])},
+                                   Collective(kind, ins.name, _dtype(result), operand_bytes, shape_bytes(result), int(size), axes, runs_here))
+                continue
             out.append(Collective(kind, ins.name, _dtype(result), operand_bytes, shape_bytes(result),
-                                  int(size), axes, runs_here, lowered_as, senders))
+                                  int(size), axes, runs_here, "", senders))
     return out
+
+
+def _reductions(ins, table, comps, roots, users, whole: Collective) -> list[Collective]:
+    """An all-reduce as the collectives it implements: one, or one per kind among the elements
+    of a combined one (``_element_kinds``; its scalars an all-reduce apart), each with its
+    elements' bytes."""
+    kinds = _element_kinds(ins, whole.group_size, table, comps, users)
+    if kinds is None or len(set(kinds)) == 1:
+        kind = _implemented_kind(ins, whole.group_size, table, comps, roots, users) if kinds is None else kinds[0]
+        scalars, kind = kind == "scalar all-reduce", kind.removeprefix("scalar ")
+        return [replace(whole, kind=kind, lowered_as="" if kind == "all-reduce" else "all-reduce", scalars=scalars)]
+    parts = []
+    for kind in dict.fromkeys(kinds):
+        shapes = [table[o].shape for o, k in zip(ins.operands, kinds) if k == kind and o in table]
+        size = sum(shape_bytes(x) for x in shapes)
+        parts.append(replace(whole, kind=kind.removeprefix("scalar "), dtype=_dtype(shapes[0]) if shapes else whole.dtype,
+                             operand_bytes=size, result_bytes=size, lowered_as="" if kind == "all-reduce" else "all-reduce",
+                             scalars=kind == "scalar all-reduce"))
+    return parts
 
 
 def _branch_executions(ins, runs: int) -> int:

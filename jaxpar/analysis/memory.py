@@ -51,8 +51,11 @@ class WeightShare:
 
 
 def weight_shares(trainer) -> list[WeightShare]:
-    """Every weight of ``trainer`` (a Trainer, or the planner's stand-in) as a ``WeightShare``."""
+    """Every weight of ``trainer`` (a Trainer, or the planner's stand-in) as a ``WeightShare``. On
+    the GSPMD path a lookup table is gathered like any weight (``train/gspmd.py`` lays it out for
+    compute where it is read), so none has a ``table_width``."""
     layout, shares = trainer.layout, []
+    gspmd = getattr(getattr(trainer, "plan", None), "path", None) == "gspmd"
     for path, names in trainer.names.items():
         shape = trainer.abstract_leaf(path).shape
         computed = {a for dim in layout.dim_axes(names) for a in dim}
@@ -63,7 +66,7 @@ def weight_shares(trainer) -> list[WeightShare]:
                        for m in STORED_MAPPINGS}
         shares.append(WeightShare(math.prod(shape) / ways, "layers" in names, frozenset(computed), stored_over,
                                   {m: math.prod(layout.mesh.shape[a] for a in axes) for m, axes in stored_over.items()},
-                                  _table_width(layout, names, shape)))
+                                  0 if gspmd else _table_width(layout, names, shape)))
     return shares
 
 

@@ -7,6 +7,8 @@ device still holds. Under HSDP (``data=R,fsdp=F``: shard inside groups of F on f
 replicate across R groups, which may cross DCN) that shard is 1/F of the gradient.
 """
 
+import math
+
 AXES = ("data",)
 CROSSES_DCN = True  # light enough traffic for the slow links between slices / nodes
 OPTIONS: dict = {}
@@ -26,5 +28,20 @@ def grad_allreduce_bytes(psi_bytes: float, n: int) -> float:
 
 
 def traffic(strategy, ctx) -> dict:
-    n = ctx.mesh["data"]
-    return {("all-reduce", "data"): grad_allreduce_bytes(ctx.all_reduced("data") * ctx.reduce_bytes, n)} if n > 1 else {}
+    """The gradients' all-reduce over ``data``. A weight no batch axis splits (a bias over a dim
+    ZeRO does not split) has its gradient all-reduced once over every batch axis together, counted
+    under the first. On the GSPMD path a gradient split over another batch axis is reduce-scattered
+    over data too and then gathered over it (``train/gspmd.py``): the same bytes as the all-reduce
+    of its shard, half of them in each kind."""
+    n, rb = ctx.mesh["data"], ctx.reduce_bytes
+    whole, out = ctx.whole_reduced(), {}
+    if n > 1:
+        chained = sum(w.stored("grad") for w in ctx.weights if w.stored_over["grad"] and "data" not in w.stored_over["grad"]) if ctx.gspmd else 0.0
+        out[("all-reduce", "data")] = grad_allreduce_bytes((ctx.all_reduced("data") - whole - chained) * rb, n)
+        if chained:
+            out[("reduce-scatter", "data")] = out[("all-gather", "data")] = chained * rb * (n - 1) / n
+    axes = [a for a in ctx.layout.batch_axes if ctx.mesh[a] > 1]
+    if axes and whole:
+        key = ("all-reduce", axes[0])
+        out[key] = out.get(key, 0.0) + grad_allreduce_bytes(whole * rb, math.prod(ctx.mesh[a] for a in axes))
+    return out

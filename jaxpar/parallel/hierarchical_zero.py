@@ -67,5 +67,6 @@ def traffic(strategy, ctx) -> dict:
     g, k = ctx.mesh["fsdp_group"], ctx.microbatches
     if g == 1:
         return {}
-    shard = ctx.stored("param") * (g - 1) / g
+    # the weights split further over fsdp_group (one left whole there is data.traffic's)
+    shard = sum(w.stored("param") for w in ctx.weights if "fsdp_group" in w.stored_over["optimizer"]) * (g - 1) / g
     return {("reduce-scatter", "fsdp_group"): k * shard * ctx.reduce_bytes, ("all-gather", "fsdp_group"): shard * ctx.stored_bytes}

@@ -15,6 +15,8 @@ splits the batch (every weight, stacked layers too, is gathered whole at the sta
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -75,6 +77,8 @@ def grads_fn(trainer, explicit: bool):
     named = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     grad_shardings = jax.tree.map(named, trainer.grad_specs_by_param, is_leaf=is_spec)
+    scattered = jax.tree.map(lambda spec, leaf: named(_split_over_batch(layout, spec, leaf.shape)),
+                             trainer.grad_specs_by_param, trainer.abstract_state().params, is_leaf=is_spec)
     opt_shardings = jax.tree.map(named, trainer.opt_specs_by_param, is_leaf=is_spec)
     dtype = jnp.dtype(cfg.compute_dtype)
 
@@ -104,7 +108,8 @@ def grads_fn(trainer, explicit: bool):
 
         def micro_step(acc, mb):
             loss, g = value_and_grad(params, mb)
-            g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.astype(jnp.float32), g), grad_shardings)
+            g = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.astype(jnp.float32), g), scattered)
+            g = jax.lax.with_sharding_constraint(g, grad_shardings)
             return jax.tree.map(jnp.add, acc, g), loss
 
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), s), params, grad_shardings)
@@ -113,3 +118,21 @@ def grads_fn(trainer, explicit: bool):
         return (jnp.mean(losses), *reductions.norm_and_clip(g, cfg.clip_norm, trainer.sharded_state.rule_updated))
 
     return grads
+
+
+def _split_over_batch(layout, spec: PartitionSpec, shape) -> PartitionSpec:
+    """``spec`` (a gradient's, split over some batch axes) split over every batch axis, on the dim
+    that already carries one. XLA reduces a gradient split over fsdp but kept whole over data as
+    an all-reduce over all their devices and a slice; reduce-scattered over all of them first and
+    then gathered over data it moves half the bytes, as much as a reduce-scatter over fsdp and an
+    all-reduce of the shard over data. ``spec`` itself where no dim carries a batch axis or the
+    dim does not divide."""
+    batch = [a for a in layout.batch_axes if layout.mesh.shape[a] > 1]
+    entries = [(e,) if isinstance(e, str) else tuple(e or ()) for e in spec]
+    missing = tuple(a for a in batch if all(a not in e for e in entries))
+    for i, axes in enumerate(entries):
+        if missing and any(a in batch for a in axes):
+            if shape[i] % math.prod(layout.mesh.shape[a] for a in axes + missing):
+                break
+            return PartitionSpec(*spec[:i], axes + missing, *spec[i + 1:])
+    return spec
