@@ -8,11 +8,19 @@ Per layout: the median step time (after the compile) and the work imbalance per 
 mean useful FLOPs, ``train.dcp.imbalance``). Simulated devices share this machine's 2 cores, so a
 step's time is the work of all devices together (padding and ring traffic included), not the
 time of the busiest device on real hardware; the imbalance is what real devices would wait on.
+
+Then (``--estimate-only`` for it alone; ``analysis/data_centric.py``, no compile): llama3-8b on 32
+H200 (four nodes), batches of 64 sequences drawn from a long-tailed (lognormal) length
+distribution up to 256K tokens, 32K positions a device: DCP against static context parallelism
+over the longest sequence's degree and packing, the busiest device's step and its exposed ring,
+next to the paper's 2.88x.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import statistics
 import time
@@ -21,6 +29,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from jaxpar.models import llama  # noqa: E402
 from jaxpar.parallel import build_layout, parse_strategy  # noqa: E402
@@ -53,12 +62,38 @@ def static_times(strategy: str, batches, row_length: int) -> float:
     return statistics.median(times)
 
 
+def estimate_table(batches: int = 4, size: int = 64, capacity: int = 32_768):
+    from jaxpar.analysis import data_centric
+    from jaxpar.topology import load_topology
+
+    node = load_topology("gpu-h200-16")
+    topology = dataclasses.replace(node, name="gpu-h200-32", num_chips=32, dcn_shape=(4,))
+    cfg, longest = llama.CONFIGS["llama3-8b"], 262_144
+    rng = np.random.default_rng(0)
+    print(f"estimated: llama3-8b on 32 x H200 (4 nodes), {batches} batches of {size} sequences, lengths lognormal "
+          f"(median 4096, sigma 1.5) up to {longest}, {capacity} positions a device (the paper: DCP 2.88x on 32 H200)")
+    print(f"{'batch':>5} {'tokens':>9} {'longest':>8} {'layout':24} {'step s':>8} {'mean s':>8} {'exposed s':>9} {'vs DCP':>7}")
+    for b in range(batches):
+        lengths = np.minimum(rng.lognormal(np.log(4096), 1.5, size).astype(int) + 2, longest + 1)
+        static = 2 ** math.ceil(math.log2(max(1, (lengths.max() - 1) / capacity)))
+        rows = data_centric.compare(lengths, cfg, topology, capacity, static, memory_budget=60e9)
+        for row in rows:
+            fits = "" if row.fits else " (over memory)"
+            print(f"{b:>5} {int(lengths.sum()):>9} {int(lengths.max()):>8} {row.name:24} {row.step_s:>8.2f} {row.mean_s:>8.2f} "
+                  f"{row.exposed_s:>9.3f} {row.step_s / rows[0].step_s:>6.2f}x{fits}")
+    print()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--estimate-only", action="store_true", help="only the estimated 32 x H200 table")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=48, help="documents per step")
     parser.add_argument("--capacity", type=int, default=32, help="token positions per device and row")
     args = parser.parse_args()
+    estimate_table()
+    if args.estimate_only:
+        return
     docs = data.documents(data.split_corpus(data.corpus_tokens())[0])
     longest = args.capacity * 8
     batches = [data.documents_at(docs, step, args.batch, 0, longest + 1) for step in range(args.steps)]

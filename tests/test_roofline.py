@@ -304,3 +304,27 @@ def test_a_pipeline_row_is_its_schedule_run_by_hand():
     assert overlap.schedule_exposed(eager, 1.0, 2.0, 1.5) < overlap.schedule_exposed(one, 1.0, 2.0, 1.5)
     assert overlap.ring_exposed(3.0, 1.0, 4, home_s=0.5) == 3 * 2.0 + 0.5
     assert overlap.ring_exposed(1.0, 3.0, 4) == 0.0
+
+
+def test_a_data_centric_row_is_its_formula_by_hand():
+    """Two sequences of 100 and 28 tokens in a 128-position row over a ring of 2 cpu-4 devices:
+    matmuls on every position, causal pairs inside each sequence, the ring's hops beyond its
+    steps; and a layout whose groups run empty rows pays their matmuls."""
+    from jaxpar.analysis import data_centric
+    from jaxpar.analysis.overlap import ring_exposed
+
+    cfg, topology = llama.CONFIGS["tiny"], load_topology("cpu-4")
+    rate, link = 1e12, 2 * 10e9
+    pairs = 100 * 99 / 2 + 28 * 27 / 2
+    compute = (cfg.flops_per_token(0) * 128 + 3 * 4 * cfg.layers * cfg.heads * cfg.head_dim * pairs) / 2 / rate
+    chunk = 64 * 2 * cfg.kv_heads * cfg.head_dim * 2
+    step = 4 * cfg.heads * cfg.head_dim * pairs / 4 / rate
+    exposed = ring_exposed(chunk / link, step, 2) + ring_exposed(3 * chunk / link, 2.5 * step, 2, 2 * chunk / link)
+    got = data_centric.row_seconds([100, 28], 128, 2, cfg, topology)
+    assert got == pytest.approx((compute, cfg.layers * exposed), rel=1e-12) and got[1] > 0
+    # a 101-token sequence (100 predictions) and three short ones on 4 devices, packed into rows of
+    # the longest's 100 positions: two rows, so two of the four devices run an empty row
+    rows = {r.name: r for r in data_centric.compare([101, 9, 9, 9], cfg, topology, 128, 2, memory_budget=1e9)}
+    full, short, empty = (data_centric.row_seconds(x, 100, 1, cfg, topology)[0] for x in ([101], [9, 9, 9], []))
+    assert empty > 0 and rows["packing"].step_s == pytest.approx(full, rel=1e-12)
+    assert rows["packing"].mean_s == pytest.approx((full + short + 2 * empty) / 4, rel=1e-12)

@@ -462,9 +462,10 @@ def _elements(shape: str) -> int:
 
 
 def _scatters(name: str, operand_shape: str, group: int, users, table, comps) -> bool:
-    """Does every use of ``name`` keep only this device's 1/group slice of it (a reduce-scatter)?"""
+    """Does every use of ``name`` keep at most a 1/group slice of it (a reduce-scatter; a larger
+    slice, say 1/4 over 8 devices, is an all-reduce kept over fewer of them)?"""
     kept = _slices_kept(name, users, table, comps)
-    return bool(kept) and all(k * group == _elements(operand_shape) for k in kept)
+    return bool(kept) and all(k * group <= _elements(operand_shape) for k in kept)
 
 
 def _implemented_kind(ins, group: int, table, comps, roots, users) -> str:

@@ -58,8 +58,8 @@ class TrafficContext:
         return sum(w.stored(mapping) for w in self.weights if layers is None or w.layer == layers)
 
     def whole_reduced(self) -> float:
-        """Weights one device all-reduces the gradients of over every batch axis: those no batch
-        axis splits, in compute or in the optimizer state."""
+        """Weights one device all-reduces the gradients of over data, fsdp_group and fsdp at once:
+        those no batch axis splits, in compute or in the optimizer state."""
         batch = set(self.layout.batch_axes)
         return sum(w.stored("optimizer") for w in self.weights
                    if not batch & w.computed_over and not batch & set(w.stored_over["optimizer"]))
@@ -86,7 +86,7 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
         held_length=held_length(layout, batch_shape[1], getattr(model_cfg, "block_size", None)), weights=weights,
         clean_reads=(bd3lm.block_diffusion_mask(batch_shape[1] // 2, model_cfg.block_size, model_cfg.window).blocks.allowed.clean_reads
                      if layout.role(FETCH) and model_cfg is not None else None),
-        gspmd=trainer.plan.path == "gspmd",
+        gspmd=getattr(trainer.plan, "path", None) == "gspmd",  # (the planner's stand-in has no path)
     )
 
 

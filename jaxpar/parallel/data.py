@@ -10,6 +10,7 @@ replicate across R groups, which may cross DCN) that shard is 1/F of the gradien
 import math
 
 AXES = ("data",)
+ZERO_AXES = ("data", "fsdp_group", "fsdp")  # the axes a weight no batch axis splits is all-reduced over at once
 CROSSES_DCN = True  # light enough traffic for the slow links between slices / nodes
 OPTIONS: dict = {}
 
@@ -29,7 +30,7 @@ def grad_allreduce_bytes(psi_bytes: float, n: int) -> float:
 
 def traffic(strategy, ctx) -> dict:
     """The gradients' all-reduce over ``data``. A weight no batch axis splits (a bias over a dim
-    ZeRO does not split) has its gradient all-reduced once over every batch axis together, counted
+    ZeRO does not split) has its gradient all-reduced once over data, fsdp_group and fsdp together, counted
     under the first. On the GSPMD path a gradient split over another batch axis is reduce-scattered
     over data too and then gathered over it (``train/gspmd.py``): the same bytes as the all-reduce
     of its shard, half of them in each kind."""
@@ -40,7 +41,7 @@ def traffic(strategy, ctx) -> dict:
         out[("all-reduce", "data")] = grad_allreduce_bytes((ctx.all_reduced("data") - whole - chained) * rb, n)
         if chained:
             out[("reduce-scatter", "data")] = out[("all-gather", "data")] = chained * rb * (n - 1) / n
-    axes = [a for a in ctx.layout.batch_axes if ctx.mesh[a] > 1]
+    axes = [a for a in ctx.layout.batch_axes if a in ZERO_AXES and ctx.mesh[a] > 1]  # (other axes have formulas of their own)
     if axes and whole:
         key = ("all-reduce", axes[0])
         out[key] = out.get(key, 0.0) + grad_allreduce_bytes(whole * rb, math.prod(ctx.mesh[a] for a in axes))
