@@ -584,9 +584,10 @@ def _reductions(ins, table, comps, roots, users, whole: Collective) -> list[Coll
     """An all-reduce as the collectives it implements: one, or one per kind among the elements
     of a combined one (``_element_kinds``; its scalars an all-reduce apart), each with its
     elements' bytes."""
-    kinds = _element_kinds(ins, whole.group_size, table, comps, users)
+    kind = _implemented_kind(ins, whole.group_size, table, comps, roots, users)
+    kinds = _element_kinds(ins, whole.group_size, table, comps, users) if kind == "all-reduce" else None
     if kinds is None or len(set(kinds)) == 1:
-        kind = _implemented_kind(ins, whole.group_size, table, comps, roots, users) if kinds is None else kinds[0]
+        kind = kind if kinds is None else kinds[0]
         scalars, kind = kind == "scalar all-reduce", kind.removeprefix("scalar ")
         return [replace(whole, kind=kind, lowered_as="" if kind == "all-reduce" else "all-reduce", scalars=scalars)]
     parts = []
