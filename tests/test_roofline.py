@@ -278,11 +278,13 @@ def test_a_block_diffusion_row_is_its_formula_by_hand():
     transfer = (2 * 2 * share + 4 * share) / link
     assert row.exposed_s["weights"] == pytest.approx((2 * share + 4 * share) / link + 4 * max(0.0, transfer - layer), rel=1e-12)
     assert row.step_s == pytest.approx(row.compute_s + sum(row.exposed_s.values()), rel=1e-12)
-    # jaxpar's kernels: CSBP's held queries against its 32 noisy keys and all 64 clean ones; CP's ring every pair of
-    # 32-token chunks (2 x 2 a step, 2 steps); the ideal CP kernel the same 2560 pairs as CSBP's
+    # jaxpar's kernels: CSBP's held queries against its 32 noisy keys and all 64 clean ones; CP's ring the pairs of
+    # 32-token chunks that hold an entry: device 0 (chunks 0, 3) noisy 0 with noisy 0 and clean 2, clean 3 with
+    # clean 2 and 3; device 1 (chunks 1, 2) noisy 1 with noisy 1 and clean 2 and 3, clean 2 with clean 2: 4 of its
+    # 8 each (a clean query never reads a noisy key); the ideal CP kernel the same 2560 pairs as CSBP's
     assert block_diffusion.estimate(cfg, 64, topology, "data=2,block=2,context=2", "jaxpar").pairs == 64 * (32 + 64)
     cp = {k: block_diffusion.estimate(cfg, 64, topology, "data=2,context=2", k) for k in block_diffusion.KERNELS}
-    assert (cp["ideal"].pairs, cp["jaxpar"].pairs, cp["ideal"].tokens_held) == (2560, 2 * 4 * 32 * 32, 64)
+    assert (cp["ideal"].pairs, cp["jaxpar"].pairs, cp["ideal"].tokens_held) == (2560, 4 * 32 * 32, 64)
     assert cp["ideal"].kv_bytes == 2 * (2 * chunk) + 2 * (4 * chunk)  # all of [x_t ; x_0] travels: twice the chunk
     with pytest.raises(ValueError, match="block=P,context=C"):
         block_diffusion.estimate(cfg, 64, topology, "data=1,block=3,context=2,fsdp=-1")

@@ -9,9 +9,9 @@ devices of its group. Per layer and device:
   noisy plus L/P clean (a ring rank's share split over its P/C devices).
 - query-key pairs the busiest device's kernel computes, per head, by ``kernel``: ``"ideal"`` the
   pairs the mask allows (a kernel that skips every masked block of the model's block size);
-  ``"jaxpar"`` what jaxpar's kernels compute: CP's ring every pair of chunks under the
-  three-part mask (``split_attention.rank_work``), BP and CSBP every held query against every key
-  it receives (the mask is evaluated at traced places, so no block is skipped).
+  ``"jaxpar"`` what jaxpar's kernels compute: CP's ring every pair of chunks the three-part mask
+  leaves an allowed entry in, whole (``split_attention.rank_work``), BP and CSBP every held query
+  against every key it receives (the mask is evaluated at traced places, so no block is skipped).
 - compute: 6 FLOPs per layer weight and token held, 8 with the forward rerun (remat saves each
   layer's input, and its attention's output and log-sum-exp, so the ring runs once each way), and
   the attention's 4 FLOPs per pair and head dimension, 4.5 times (forward, flash backward 2.5,
@@ -137,7 +137,11 @@ def _pairs(cfg, length: int, d: _Degrees, kernel: str) -> int:
     if kernel == "ideal":
         return int(device_pairs(length, cfg.block_size, cfg.window, d.ranks, d.ring, d.fetch).max())
     if d.ranks == 1:
-        return int(rank_work(bd3lm.block_diffusion_mask(length, cfg.block_size, cfg.window), 2 * length, d.ring).max())
+        # the ring's chunk pairs, at a length with 8 mask blocks a chunk: which pairs the three-part
+        # mask empties is the same at any length with 2 or more (a window scaled with the length)
+        small = min(length, 8 * d.ring * cfg.block_size)
+        window = None if cfg.window is None else max(cfg.block_size, cfg.window * small // length // cfg.block_size * cfg.block_size)
+        return int(rank_work(bd3lm.block_diffusion_mask(small, cfg.block_size, window), 2 * small, d.ring).max() * (length // small) ** 2)
     held = _held(cfg, length, d)
     if d.fetch:  # its own keys and the window before each of its two chunks
         return held * (held + 2 * cfg.window)

@@ -22,7 +22,10 @@ positions, segment ids) needs nothing more.
   batch rows. Backward (a custom VJP; autodiff would keep every step's K/V): K/V travel the ring
   again, R-1 transfers, and their float32 gradients travel with them and go home, R transfers:
   (R-1)/R x K/V bytes + R/R x K/V elements x 4 bytes. Each chunk pair runs the blockwise kernel
-  whatever the implementation (splash keeps no log-sum-exp to merge by here).
+  whatever the implementation (splash keeps no log-sum-exp to merge by here). Under a causal mask
+  each step runs the pairs its rule needs; under a block mask (block diffusion) a pair the mask
+  leaves without an allowed entry is skipped whole (``chunk_pairs``, a ``lax.cond`` on the ring
+  ranks: a clean query never reads a noisy key).
 - hybrid (USP): the all-to-all inside groups of U, then the ring across the R groups.
 """
 
@@ -172,27 +175,58 @@ def _pair_args(mask, ring_size, rank, src, pair, q, k, v, seg_q, seg_kv):
     """(q half, k half, v half, mask with their segment ids, offsets, block sizes) of one pair."""
     i, j, rel = pair
     c = q.shape[1] // 2
-    chunk_of = lambda rank_, half: rank_ if half == 0 else 2 * ring_size - 1 - rank_  # noqa: E731
-    offsets = (0, 0) if rel else (chunk_of(rank, i) * c, chunk_of(src, j) * c)
+    offsets = (0, 0) if rel else (_chunk_of(ring_size, rank, i) * c, _chunk_of(ring_size, src, j) * c)
     sq, sk = _half(seg_q, i), _half(seg_kv, j)
     m = mask if sq is None else dataclasses.replace(mask, segments=att.Segments(sq, sk))
     block = math.gcd(c, att.DEFAULT_BLOCK)
     return _half(q, i), _half(k, j), _half(v, j), m, offsets, block
 
 
+def chunk_pairs(mask: att.Mask, c: int, ring_size: int) -> np.ndarray | None:
+    """(2R, 2R) bool: the pairs of c-position chunks (query chunk, key chunk) of the whole sequence
+    that may hold an allowed entry under a block mask (``att.block_plan`` at chunk size); None
+    where the ring's steps already skip by their own rule (causal) or nothing is static."""
+    if mask.blocks is None or mask.indices is not None:
+        return None
+    return att.block_plan(dataclasses.replace(mask, segments=None), 2 * ring_size * c, 2 * ring_size * c, c, c)
+
+
+def _chunk_of(ring_size, rank, half):
+    return rank if half == 0 else 2 * ring_size - 1 - rank
+
+
+def _unless_empty(pairs_table, ring_size, rank, src, pair, compute, fills, like):
+    """``compute()``, or its outputs filled with ``fills`` where the block mask leaves this chunk
+    pair without an allowed entry (a block diffusion mask: a clean query never reads a noisy key).
+    ``like``: an array varying over the manual axes, as the outputs do."""
+    if pairs_table is None or pair[2]:
+        return compute()
+    shapes = jax.eval_shape(compute)
+
+    def empty():
+        return tuple(att.full_varying(x.shape, f, like).astype(x.dtype) for x, f in zip(shapes, fills))
+
+    allowed = jnp.asarray(pairs_table)[_chunk_of(ring_size, rank, pair[0]), _chunk_of(ring_size, src, pair[1])]
+    return jax.lax.cond(allowed, compute, empty)
+
+
 def _step_forward(mask, ring_size, rank, src, q, k, v, seg_q, seg_kv):
     """(out float32, lse) of the whole share's queries against the K/V of ring rank ``src``."""
+    b, c, h, d = _half(q, 0).shape
+    table = chunk_pairs(mask, c, ring_size)
+
+    def empty():
+        return att.full_varying((b, c, h, d), 0.0, q), att.full_varying((b, c, h), -jnp.inf, q)
 
     def run(pairs):
         halves = [None, None]
         for pair in pairs:
             qi, kj, vj, m, (qo, ko), block = _pair_args(mask, ring_size, rank, src, pair, q, k, v, seg_q, seg_kv)
-            part = att.attention_chunk(qi, kj, vj, m, q_offset=qo, kv_offset=ko, block_q=block, block_kv=block)
+            part = _unless_empty(table, ring_size, rank, src, pair, lambda qi=qi, kj=kj, vj=vj, m=m, qo=qo, ko=ko, block=block: tuple(
+                att.attention_chunk(qi, kj, vj, m, q_offset=qo, kv_offset=ko, block_q=block, block_kv=block)), (0.0, -jnp.inf), q)
             i = pair[0]
             halves[i] = part if halves[i] is None else att.merge(halves[i], part)
-        b, c, h, d = _half(q, 0).shape
-        empty = (att.full_varying((b, c, h, d), 0.0, q), att.full_varying((b, c, h), -jnp.inf, q))
-        (o0, l0), (o1, l1) = (p if p is not None else empty for p in halves)
+        (o0, l0), (o1, l1) = (p if p is not None else empty() for p in halves)
         return jnp.concatenate([o0, o1], 1), jnp.concatenate([l0, l1], 1)
 
     return jax.lax.switch(_branch(mask, src, rank), [functools.partial(run, p) for p in _steps(mask)])
@@ -201,14 +235,20 @@ def _step_forward(mask, ring_size, rank, src, q, k, v, seg_q, seg_kv):
 def _step_grads(mask, ring_size, rank, src, q, k, v, seg_q, seg_kv, out, lse, dout):
     """(dq, dk, dv) float32 of the K/V of ring rank ``src``'s part in the whole result."""
 
+    c = q.shape[1] // 2
+    table = chunk_pairs(mask, c, ring_size)
+
     def run(pairs):
         dq, dk, dv = [att.full_varying(x.shape, 0.0, q) for x in (q, k, v)]
-        c = q.shape[1] // 2
         for pair in pairs:
             qi, kj, vj, m, (qo, ko), block = _pair_args(mask, ring_size, rank, src, pair, q, k, v, seg_q, seg_kv)
             i, j = pair[0], pair[1]
-            gq, gk, gv = att.chunk_grads(qi, kj, vj, m, _half(out, i), _half(lse, i), _half(dout, i), q_offset=qo, kv_offset=ko,
-                                         block_q=block, block_kv=block)
+
+            def grads(qi=qi, kj=kj, vj=vj, m=m, qo=qo, ko=ko, block=block, i=i):
+                return tuple(att.chunk_grads(qi, kj, vj, m, _half(out, i), _half(lse, i), _half(dout, i), q_offset=qo,
+                                             kv_offset=ko, block_q=block, block_kv=block))
+
+            gq, gk, gv = _unless_empty(table, ring_size, rank, src, pair, grads, (0.0, 0.0, 0.0), q)
             dq = dq.at[:, i * c:(i + 1) * c].add(gq.astype(jnp.float32))
             dk = dk.at[:, j * c:(j + 1) * c].add(gk.astype(jnp.float32))
             dv = dv.at[:, j * c:(j + 1) * c].add(gv.astype(jnp.float32))
@@ -401,6 +441,7 @@ def rank_work(mask: att.Mask, length: int, ring: int, a2a: int = 1, block: int =
     block = math.gcd(c, block)
     chunk = (lambda r, half: r if half == 0 else 2 * ring - 1 - r) if zigzag else (lambda r, half: 2 * r + half)
     static = dataclasses.replace(mask, segments=None)
+    table = chunk_pairs(static, c, ring) if zigzag else None  # the chunk pairs the ring skips whole
     work = np.zeros(ring)
     for rank in range(ring):
         for src in range(ring):
@@ -411,6 +452,8 @@ def rank_work(mask: att.Mask, length: int, ring: int, a2a: int = 1, block: int =
                          if att.block_plan(static, c, c, block, block, chunk(rank, i) * c, chunk(src, j) * c).any()]
             for i, j, rel in pairs:
                 offsets = (chunk(rank, i) * c, chunk(src, j) * c)
+                if table is not None and not rel and not table[chunk(rank, i), chunk(src, j)]:
+                    continue
                 if rel:  # the kernel skips the empty blocks of a diagonal pair
                     work[rank] += att.block_plan(static, c, c, block, block, *offsets).sum() * block * block
                 else:
