@@ -42,7 +42,7 @@ import statistics
 import time
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
@@ -50,7 +50,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--estimate-only", action="store_true", help="only the estimated table")
     parser.add_argument("--mpmd-specs", default=None, help="comma-free specs joined by ';', e.g. 'tensor=4;data=4'")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -63,9 +67,7 @@ def main():
     from jaxpar.analysis import hlo
     from jaxpar.models import llama
     from jaxpar.parallel import build_layout, parse_strategy
-    from jaxpar.parallel.stage import mpmd
     from jaxpar.parallel.stage import pipeline as pl
-    from jaxpar.parallel.stage import schedules as sc
     from jaxpar.train.state import abstract_model
 
     S, m = args.stages, args.microbatches
@@ -93,16 +95,7 @@ def main():
         jax.block_until_ready(compiled(*xs))
         memory = compiled.memory_analysis()
         return compile_s, median_ms(lambda: compiled(*xs)), memory.temp_size_in_bytes / 2**20, compiled.as_text()
-    candidates = []  # (label, schedule, the same when a send takes a whole tick) of those that fit these sizes
-    for name, chunks in [("gpipe", 1), ("1f1b", 1), ("eager-1f1b", 1), ("interleaved-1f1b", 2)]:
-        try:
-            schedule = sc.make(name, S, m, chunks)
-            pl.layers_per_chunk(cfg.layers, schedule)
-        except sc.ScheduleError as error:
-            print(f"{name:<20} skipped: {error}")
-            continue
-        label = name if chunks == 1 else f"{name} v={chunks}"
-        candidates.append((label, schedule, sc.make(name, S, m, chunks, latency=2)))
+    candidates = schedule_candidates(S, m, cfg.layers)
     header = f"{'schedule':<20} {'ticks':>5} {'bubble':>7} {'bubble@lat2':>11} {'in flight':>9} {'slots':>5} " \
              f"{'temp MiB':>8} {'compile s':>9} {'step ms':>8} {'sent KiB':>9} {'formula':>8}"
     # one micro-batch's activation between stages, per device (its rows split over data)
@@ -135,24 +128,51 @@ def main():
         compile_s, step_ms, temp, _ = timed(reference, params, tokens)
     print(f"{'no pipeline, 1 dev':<20} {'':>5} {'':>7} {'':>11} {'':>9} {'':>5} {temp:>8.2f} {compile_s:>9.1f} {step_ms:>8.1f}")
 
+    mpmd_table(args, candidates, model, stacked, edge, jax.device_get(tokens), median_ms)
+
+
+def schedule_candidates(S: int, m: int, layers: int) -> list:
+    """(label, schedule, the same when a send takes a whole tick) of the schedules that fit these sizes."""
+    from jaxpar.parallel.stage import pipeline as pl
+    from jaxpar.parallel.stage import schedules as sc
+
+    candidates = []
+    for name, chunks in [("gpipe", 1), ("1f1b", 1), ("eager-1f1b", 1), ("interleaved-1f1b", 2)]:
+        try:
+            schedule = sc.make(name, S, m, chunks)
+            pl.layers_per_chunk(layers, schedule)
+        except sc.ScheduleError as error:
+            print(f"{name:<20} skipped: {error}")
+            continue
+        candidates.append((name if chunks == 1 else f"{name} v={chunks}", schedule, sc.make(name, S, m, chunks, latency=2)))
+    return candidates
+
+
+def mpmd_table(args, candidates, model, stacked, edge, host_tokens, median_ms):
+    """The MPMD pipeline per schedule: first step (compiles), step time, bytes between stages."""
+    import jax
+
+    from jaxpar.models import llama
+    from jaxpar.parallel.stage import mpmd
+
+    S = args.stages
     k = 8 // S
     specs = args.mpmd_specs.split(";") if args.mpmd_specs else [f"data={k}" if s % 2 == 0 else f"tensor={k}" for s in range(S)]
     layouts = mpmd.stage_layouts(specs)
-    host_tokens = jax.device_get(tokens)
     print(f"\nMPMD: stages {' | '.join(specs)}")
     header = f"{'schedule':<20} {'first step s':>12} {'step ms':>8} {'sent MiB':>8} {'naive MiB':>9}"
     print(header)
     print("-" * len(header))
     for label, schedule, _ in candidates:
-        pipe = mpmd.MPMDPipeline(pieces, layouts, schedule, names=model.names, activation_names=llama.RESIDUAL)
+        pipe = mpmd.MPMDPipeline(model.pieces, layouts, schedule, names=model.names, activation_names=llama.RESIDUAL)
         weights = pipe.place(stacked, edge)
         step = lambda: pipe.value_and_grad(weights, host_tokens)  # noqa: E731
-        first_s = seconds(step)
-        step_ms = median_ms(step)
+        start = time.perf_counter()
+        jax.block_until_ready(step())
+        first_s = time.perf_counter() - start
         sent = (pipe.traffic.forward_bytes + pipe.traffic.backward_bytes) / 2**20
-        print(f"{label:<20} {first_s:>12.1f} {step_ms:>8.1f} {sent:>8.2f} "
+        print(f"{label:<20} {first_s:>12.1f} {median_ms(step):>8.1f} {sent:>8.2f} "
               f"{pipe.traffic.naive_bytes / 2**20:>9.2f}")
-
 
 def estimate_table(S: int, m: int):
     from jaxpar.analysis import overlap, roofline

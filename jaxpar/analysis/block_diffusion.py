@@ -43,7 +43,7 @@ import dataclasses
 import numpy as np
 
 from jaxpar.analysis import roofline
-from jaxpar.analysis.overlap import ring_exposed
+from jaxpar.analysis.overlap import kv_ring_exposed
 from jaxpar.models import bd3lm
 from jaxpar.parallel import parse_strategy
 from jaxpar.parallel.block import blocks
@@ -120,7 +120,7 @@ def _degrees(strategy: str, chips: int, kernel: str) -> _Degrees:
     parsed = parse_strategy(strategy, chips)
     d = _Degrees(parsed.degrees["data"], parsed.written_degrees["block"], parsed.degrees["context"],
                  parsed.options["clean_kv"] == "fetch")
-    if d.data * d.group != chips or d.ranks % d.ring and d.ranks > 1:
+    if d.data * d.group != chips or (d.ranks > 1 and d.ranks % d.ring):
         raise ValueError(f"{strategy!r} on {chips} chips: the estimate takes data=D with context=C, block=P or "
                          f"block=P,context=C (P a multiple of C), D x max(P, C) = {chips}")
     return d
@@ -141,7 +141,7 @@ def _pairs(cfg, length: int, d: _Degrees, kernel: str) -> int:
         # mask empties is the same at any length with 2 or more (a window scaled with the length)
         small = min(length, 8 * d.ring * cfg.block_size)
         window = None if cfg.window is None else max(cfg.block_size, cfg.window * small // length // cfg.block_size * cfg.block_size)
-        return int(rank_work(bd3lm.block_diffusion_mask(small, cfg.block_size, window), 2 * small, d.ring).max() * (length // small) ** 2)
+        return int(rank_work(bd3lm.block_diffusion_mask(small, cfg.block_size, window), 2 * small, d.ring).max() * (length / small) ** 2)
     held = _held(cfg, length, d)
     if d.fetch:  # its own keys and the window before each of its two chunks
         return held * (held + 2 * cfg.window)
@@ -180,8 +180,7 @@ def _ring(cfg, length: int, d: _Degrees, topology: Topology, attention_forward: 
     chunk = (2 * length if d.ranks == 1 else length) // d.ring * per_token
     grads = chunk * grad_bytes / 2
     link = roofline.link_bandwidth(topology, _crosses(topology, d.ring))
-    forward = ring_exposed(chunk / link, attention_forward / d.ring, d.ring)
-    backward = ring_exposed((chunk + grads) / link, 2.5 * attention_forward / d.ring, d.ring, home_s=grads / link)
+    exposed = kv_ring_exposed(chunk, grads, link, attention_forward / d.ring, d.ring)
     sent = 2 * (d.ring - 1) * chunk + d.ring * grads
     pieces = 0.0
     if d.ranks > d.ring:  # a rank's share gathered among its P/C devices, the gradients scattered back
@@ -189,7 +188,7 @@ def _ring(cfg, length: int, d: _Degrees, topology: Topology, attention_forward: 
         share = (g - 1) / g * chunk
         sent += share + share * grad_bytes / 2
         pieces = (share + share * grad_bytes / 2) / roofline.link_bandwidth(topology, _crosses(topology, d.group))
-    return sent, forward + backward, pieces
+    return sent, exposed, pieces
 
 
 def _weights_exposed(cfg, topology: Topology, layer_s: float) -> float:

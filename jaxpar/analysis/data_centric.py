@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from jaxpar.analysis import roofline
-from jaxpar.analysis.overlap import ring_exposed
+from jaxpar.analysis.overlap import kv_ring_exposed
 from jaxpar.topology import Topology
 from jaxpar.train import dcp
 
@@ -60,37 +60,32 @@ def row_seconds(lengths, row_length: int, context: int, cfg, topology: Topology,
     grads = chunk * grad_bytes / 2
     link = roofline.link_bandwidth(topology, context > topology.chips_per_slice)
     step = 4 * cfg.heads * cfg.head_dim * pairs / context**2 / rate  # one ring step's forward attention, per layer
-    exposed = ring_exposed(chunk / link, step, context) + ring_exposed((chunk + grads) / link, 2.5 * step, context, grads / link)
-    return compute, cfg.layers * exposed
+    return compute, cfg.layers * kv_ring_exposed(chunk, grads, link, step, context)
 
 
 def compare(lengths, cfg, topology: Topology, capacity: int, static_context: int, memory_budget: float) -> list[LayoutStep]:
     """DCP, static context parallelism over ``static_context`` devices and packing, for one batch."""
     lengths = [int(n) for n in lengths]
     n = topology.num_chips
-    time, exposed = np.zeros(n), np.zeros(n)
-    for bucket in dcp.plan(lengths, n, capacity, cfg, memory_budget):
-        for g, rows in enumerate(bucket.rows):
-            for row in rows:
-                c, e = row_seconds([lengths[i] for i in row], bucket.length, bucket.context, cfg, topology)
-                time[g * bucket.context:(g + 1) * bucket.context] += c + e
-                exposed[g * bucket.context:(g + 1) * bucket.context] += e
-    out = [_step("dcp", time, exposed)]
+    dcp_rows = [(g, bucket.context, bucket.length, row) for bucket in dcp.plan(lengths, n, capacity, cfg, memory_budget)
+                for g, rows in enumerate(bucket.rows) for row in rows]
+    out = [_step("dcp", dcp_rows, lengths, cfg, topology)]
     longest = max(lengths) - 1
     for c, name in ((static_context, f"static context={static_context}"), (1, "packing")):
         row_length = math.ceil(longest / c) * c
-        time, exposed = np.zeros(n), np.zeros(n)
         rows = dcp.first_fit(lengths, row_length)
         rows += [[]] * (-len(rows) % (n // c))  # every group runs as many rows (a static shape)
-        for k, row in enumerate(rows):
-            g = k % (n // c)
-            compute, e = row_seconds([lengths[i] for i in row], row_length, c, cfg, topology)
-            time[g * c:(g + 1) * c] += compute + e
-            exposed[g * c:(g + 1) * c] += e
-        out.append(dataclasses.replace(_step(name, time, exposed), fits=row_length <= capacity * c))
+        dealt = [(k % (n // c), c, row_length, row) for k, row in enumerate(rows)]  # in order, as a data loader deals them
+        out.append(dataclasses.replace(_step(name, dealt, lengths, cfg, topology), fits=row_length <= capacity * c))
     return out
 
 
-def _step(name: str, time: np.ndarray, exposed: np.ndarray) -> LayoutStep:
+def _step(name: str, rows, lengths, cfg, topology: Topology) -> LayoutStep:
+    """The layout's step from its (data group, context, row length, sequence indices) rows."""
+    time, exposed = np.zeros(topology.num_chips), np.zeros(topology.num_chips)
+    for g, context, row_length, row in rows:
+        compute, waits = row_seconds([lengths[i] for i in row], row_length, context, cfg, topology)
+        time[g * context:(g + 1) * context] += compute + waits
+        exposed[g * context:(g + 1) * context] += waits
     busiest = int(time.argmax())
     return LayoutStep(name, float(time[busiest]), float(time.mean()), float(exposed[busiest]))

@@ -55,7 +55,7 @@ def weight_shares(trainer) -> list[WeightShare]:
     the GSPMD path a lookup table is gathered like any weight (``train/gspmd.py`` lays it out for
     compute where it is read), so none has a ``table_width``."""
     layout, shares = trainer.layout, []
-    gspmd = getattr(getattr(trainer, "plan", None), "path", None) == "gspmd"
+    gspmd = on_gspmd_path(trainer)
     for path, names in trainer.names.items():
         shape = trainer.abstract_leaf(path).shape
         computed = {a for dim in layout.dim_axes(names) for a in dim}
@@ -68,6 +68,11 @@ def weight_shares(trainer) -> list[WeightShare]:
                                   {m: math.prod(layout.mesh.shape[a] for a in axes) for m, axes in stored_over.items()},
                                   0 if gspmd else _table_width(layout, names, shape)))
     return shares
+
+
+def on_gspmd_path(trainer) -> bool:
+    """Whether XLA's partitioner places ``trainer``'s collectives (the planner's stand-in has no path)."""
+    return getattr(getattr(trainer, "plan", None), "path", None) == "gspmd"
 
 
 def _table_width(layout, names, shape) -> int:

@@ -26,6 +26,15 @@ def ring_exposed(hop_s: float, step_s: float, ranks: int, home_s: float = 0.0) -
     return (ranks - 1) * max(0.0, hop_s - step_s) + home_s
 
 
+def kv_ring_exposed(chunk_bytes: float, grad_bytes: float, link: float, step_s: float, ranks: int) -> float:
+    """Seconds one layer's K/V ring waits on its links, forward and backward: ``chunk_bytes`` of K/V
+    a hop under ``step_s`` of a ring step's forward attention; backward the K/V and their
+    gradients (``grad_bytes`` a chunk) a hop under 2.5 times it (a flash backward recomputes the
+    scores), and the gradients' hop home."""
+    return (ring_exposed(chunk_bytes / link, step_s, ranks)
+            + ring_exposed((chunk_bytes + grad_bytes) / link, 2.5 * step_s, ranks, home_s=grad_bytes / link))
+
+
 def schedule_seconds(schedule: Schedule, forward_s: float, backward_s: float, send_s: float, lockstep: bool = False) -> float:
     """Seconds from the first action to the last of ``schedule`` when a forward takes ``forward_s``,
     a backward ``backward_s`` and a send between stages ``send_s`` (``lockstep``: the SPMD

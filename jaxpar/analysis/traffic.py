@@ -14,7 +14,7 @@ import math
 import jax.numpy as jnp
 
 from jaxpar.analysis import hlo
-from jaxpar.analysis.memory import replicated_params, weight_shares
+from jaxpar.analysis.memory import on_gspmd_path, replicated_params, weight_shares
 from jaxpar.models import bd3lm
 from jaxpar.parallel import STRATEGIES
 from jaxpar.parallel.block.blocks import BLOCKS, clean_prefix
@@ -86,7 +86,7 @@ def traffic_context(trainer, batch_shape, model_cfg=None) -> TrafficContext:
         held_length=held_length(layout, batch_shape[1], getattr(model_cfg, "block_size", None)), weights=weights,
         clean_reads=(bd3lm.block_diffusion_mask(batch_shape[1] // 2, model_cfg.block_size, model_cfg.window).blocks.allowed.clean_reads
                      if layout.role(FETCH) and model_cfg is not None else None),
-        gspmd=getattr(trainer.plan, "path", None) == "gspmd",  # (the planner's stand-in has no path)
+        gspmd=on_gspmd_path(trainer),
     )
 
 

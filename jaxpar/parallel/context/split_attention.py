@@ -210,10 +210,10 @@ def _unless_empty(pairs_table, ring_size, rank, src, pair, compute, fills, like)
     return jax.lax.cond(allowed, compute, empty)
 
 
-def _step_forward(mask, ring_size, rank, src, q, k, v, seg_q, seg_kv):
-    """(out float32, lse) of the whole share's queries against the K/V of ring rank ``src``."""
+def _step_forward(mask, table, ring_size, rank, src, q, k, v, seg_q, seg_kv):
+    """(out float32, lse) of the whole share's queries against the K/V of ring rank ``src``
+    (``table``: ``chunk_pairs``, made once per ring)."""
     b, c, h, d = _half(q, 0).shape
-    table = chunk_pairs(mask, c, ring_size)
 
     def empty():
         return att.full_varying((b, c, h, d), 0.0, q), att.full_varying((b, c, h), -jnp.inf, q)
@@ -232,11 +232,10 @@ def _step_forward(mask, ring_size, rank, src, q, k, v, seg_q, seg_kv):
     return jax.lax.switch(_branch(mask, src, rank), [functools.partial(run, p) for p in _steps(mask)])
 
 
-def _step_grads(mask, ring_size, rank, src, q, k, v, seg_q, seg_kv, out, lse, dout):
+def _step_grads(mask, table, ring_size, rank, src, q, k, v, seg_q, seg_kv, out, lse, dout):
     """(dq, dk, dv) float32 of the K/V of ring rank ``src``'s part in the whole result."""
 
     c = q.shape[1] // 2
-    table = chunk_pairs(mask, c, ring_size)
 
     def run(pairs):
         dq, dk, dv = [att.full_varying(x.shape, 0.0, q) for x in (q, k, v)]
@@ -269,17 +268,18 @@ def _ring(mask, axes, ring_size, q, k, v, seg_q, seg_kv):
 def _ring_forward(mask, axes, ring_size, q, k, v, seg_q, seg_kv):
     rank = jax.lax.axis_index(axes)
     send = lambda x: jax.lax.ppermute(x, axes, _next(ring_size))  # noqa: E731
+    table = chunk_pairs(mask, q.shape[1] // 2, ring_size)
 
     def step(carry, i):
         held, acc = carry
         arriving = jax.tree.map(send, held)  # issued before the compute below, which does not need it
-        part = _step_forward(mask, ring_size, rank, (rank - i) % ring_size, q, *held[:2], seg_q, held[2])
+        part = _step_forward(mask, table, ring_size, rank, (rank - i) % ring_size, q, *held[:2], seg_q, held[2])
         return (arriving, att.merge(acc, part)), None
 
     b, n, h, d = q.shape
     start = (att.full_varying((b, n, h, d), 0.0, q), att.full_varying((b, n, h), -jnp.inf, q))
     (held, acc), _ = jax.lax.scan(step, ((k, v, seg_kv), start), jnp.arange(ring_size - 1))
-    out, lse = att.merge(acc, _step_forward(mask, ring_size, rank, (rank + 1) % ring_size, q, *held[:2], seg_q, held[2]))
+    out, lse = att.merge(acc, _step_forward(mask, table, ring_size, rank, (rank + 1) % ring_size, q, *held[:2], seg_q, held[2]))
     return out, (q, k, v, seg_q, seg_kv, out, lse)
 
 
@@ -316,9 +316,10 @@ def _ring_bwd(mask, axes, ring_size, res, dout):
     q, k, v, seg_q, seg_kv, out, lse = res
     rank = jax.lax.axis_index(axes)
     dout = dout.astype(jnp.float32)
+    table = chunk_pairs(mask, q.shape[1] // 2, ring_size)
 
     def grads_of(held, src):
-        return _step_grads(mask, ring_size, rank, src, q, held[0], held[1], seg_q, held[2], out, lse, dout)
+        return _step_grads(mask, table, ring_size, rank, src, q, held[0], held[1], seg_q, held[2], out, lse, dout)
 
     dq, dk, dv = _ring_backward(axes, ring_size, (k, v, seg_kv), att.full_varying(q.shape, 0.0, q), grads_of)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
