@@ -101,7 +101,7 @@ def main():
     trainer = dcp.DataCentricTrainer(model_fn, llama.loss_fn, TINY, TrainConfig(), capacity=args.capacity, memory_budget=budget)
     state, times = trainer.init(seed=0), []
     start = time.perf_counter()
-    shapes = trainer.compile_ahead(state.params, args.batch, longest + 1)
+    shapes = trainer.compile_ahead(state.params, args.batch)
     ahead = time.perf_counter() - start
     for i, sequences in enumerate(batches):
         start = time.perf_counter()

@@ -69,14 +69,17 @@ def test_dcp_gradient_equals_one_device(sequences):
 
 
 def test_after_compiling_ahead_no_step_but_the_first_compiles(sequences):
-    # room for one row per call: every call shape of batches of 10 of these documents (up to 129
-    # tokens: contexts 1, 2, 4) is compiled before the first step; the first step still compiles
-    # the update, and after it nothing compiles, whatever the batch's lengths
+    # room for one row per call: every call shape of batches of 10 of these documents (contexts
+    # 1, 2, 4 and 8: a long document's work may be spread wider than its length needs) is compiled
+    # before the first step; the first step still compiles the update, and after it nothing
+    # compiles, whatever the batch's lengths
     budget = 1.5 * CAPACITY * dcp.bytes_per_token(TINY, "none")
     trainer = dcp.DataCentricTrainer(model_fn, llama.loss_fn, TINY, TrainConfig(), capacity=CAPACITY, memory_budget=budget)
     state = trainer.init(seed=0)
-    first, second = sequences[5:15], sequences[20:30]  # each holds a long document and short ones
-    assert trainer.compile_ahead(state.params, 10, max(len(s) for s in sequences)) == trainer.compiles == 3
+    # the first holds a long document and short ones (one row over all 8 devices), the second
+    # only short ones (spread by their work over groups of 2): a shape the first step never ran
+    first, second = sequences[5:15], sequences[15:25]
+    assert trainer.compile_ahead(state.params, 10) == trainer.compiles == 4
     state, _ = trainer.step(state, first)
     compiles = []
     listener = lambda event, seconds, **_: compiles.append(event) if event == BACKEND_COMPILE_EVENT else None  # noqa: E731
@@ -86,10 +89,10 @@ def test_after_compiling_ahead_no_step_but_the_first_compiles(sequences):
         jax.block_until_ready(metrics["loss"])
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    assert compiles == [] and trainer.compiles == 3
-    assert {b.context for b in trainer.plan(first)} == {b.context for b in trainer.plan(second)} == {1, 4}
+    assert compiles == [] and trainer.compiles == 4
+    assert [b.context for b in trainer.plan(first)] == [8] and [b.context for b in trainer.plan(second)] == [2]
     # each program waited for here (XLA:CPU): each step's time in each bucket, for the report
-    assert sorted(trainer.bucket_seconds) == [1, 4] and all(len(t) == 2 and min(t) > 0 for t in trainer.bucket_seconds.values())
+    assert sorted(trainer.bucket_seconds) == [2, 8] and all(len(t) == 1 and min(t) > 0 for t in trainer.bucket_seconds.values())
 
 
 def test_dcp_balances_work_better_than_static_context_parallelism(sequences):
@@ -105,8 +108,15 @@ def test_dcp_chooses_remat_and_accumulation_per_bucket():
     # room for 2 rows of 32 positions without remat: the short bucket takes 2 rows per call
     budget = 2.5 * CAPACITY * dcp.bytes_per_token(TINY, "none")
     buckets = dcp.plan(lengths, 8, CAPACITY, TINY, budget)
-    assert [(b.context, b.remat, b.rows_per_call) for b in buckets] == [(1, "none", 2), (4, "none", 1)]
-    assert buckets[0].calls * buckets[0].rows_per_call * 8 >= 40 * 19 // CAPACITY
+    # each group's 5 short rows run as calls of 2, 2 and 1 rows (powers of two, none padded up)
+    assert [(b.context, b.remat, b.call_rows) for b in buckets] == [(1, "none", (2, 2, 1)), (4, "none", (1,))]
+    # every sequence once, no row over its positions; the second group of the context-4 bucket
+    # runs 6 short documents joined (114 of 128 positions) rather than an empty row
+    rows = [row for b in buckets for g in b.rows for row in g]
+    assert sorted(i for row in rows for i in row) == list(range(41))
+    assert all(sum(lengths[i] - 1 for i in row) <= b.length for b in buckets for g in b.rows for row in g)
+    assert sorted(len(row) for g in buckets[1].rows for row in g) == [1, 6]
+    assert sum(not row for row in rows) == 8 * 5 - (40 - 6)  # only the context-1 groups pad
     # not even one row fits without remat: recomputed
     tight = 0.5 * CAPACITY * dcp.bytes_per_token(TINY, "none")
     assert {b.remat for b in dcp.plan(lengths, 8, CAPACITY, TINY, tight)} == {"full"}

@@ -4,21 +4,26 @@ its lengths call for, and updates the weights exactly as one device would.
 Per step, on N devices whose weights are stored whole (the data and context axes; AdamW state
 replicated):
 
-1. **Buckets.** A device holds at most ``capacity`` token positions of a row. Sequences that fit
-   are packed into rows of ``capacity`` positions (first fit, longest first) and run data parallel
-   (context=1). A longer one runs alone in a row of ``capacity x c`` positions, c the smallest
-   power of two that holds it, with context parallelism c (the ring): every device again holds
-   ``capacity`` positions.
+1. **Buckets.** A device holds at most ``capacity`` token positions of a row. A sequence of n
+   tokens needs context degree c, the smallest power of two with c x ``capacity`` >= n - 1 (the
+   ring: every device again holds ``capacity`` positions) and with its work over c devices at
+   most a device's mean share of the batch's work (a long sequence would otherwise keep its c
+   devices busy after the others are done). Sequences go longest first into the
+   fullest row of any degree they still fit in (best fit), else into a new row of their own
+   degree: the tail of a long sequence's row holds short sequences rather than padding.
 2. **Balance.** Each bucket's rows go to its N/c data groups, the most work first to the least
    loaded group (attention work is quadratic in a document's length, so a row's work is not its
-   length), then every group is padded with empty rows to the same count.
+   length). Every group runs as many rows: where a degree's rows do not fill its groups, whole
+   rows of the lower degrees are joined into filler rows for the groups that would run an empty
+   one (highest degree first), and only what is still short is padded with empty rows.
 3. **Accumulation and remat per bucket**, from an analytic memory model: a device's activations
    for one call are ``rows x capacity x bytes_per_token`` (the Llama's saved activations per
    token, or one residual per layer under ``remat=full``); calls take as many rows as fit in
    ``memory_budget`` bytes, with remat only where one row would not fit without it.
 4. **Programs.** Each (context degree, remat) is one ``Trainer`` and each call shape one compiled
-   program. Rows per call are powers of two, so the shapes are few and known from the batch size
-   and the longest sequence (``call_shapes``): ``compile_ahead`` compiles them all before the
+   program. Rows per call are powers of two (a group's rows are split into calls by the binary
+   digits of their count, none padded up to a power of two), so the shapes are few and known
+   from the batch size (``call_shapes``): ``compile_ahead`` compiles them all before the
    first step, and the programs of a step are dispatched back to back (on XLA:CPU each waited for,
    see ``gradients``). A program returns every device's own unreduced
    gradient; they are added on each device, then reduced once over all devices, clipped and
@@ -58,12 +63,8 @@ class Bucket:
     context: int
     length: int
     rows: tuple  # per data group: tuple of rows, each a tuple of sequence indices
-    rows_per_call: int
+    call_rows: tuple[int, ...]  # rows each data group runs in each call, in order (powers of two)
     remat: str
-
-    @property
-    def calls(self) -> int:
-        return len(self.rows[0]) // self.rows_per_call
 
 
 def sequence_work(n: int, cfg) -> float:
@@ -85,42 +86,85 @@ def bytes_per_token(cfg, remat: str, compute_bytes: int = 4) -> float:
 def plan(lengths, num_devices: int, capacity: int, cfg, memory_budget: float) -> list[Bucket]:
     """The buckets of a batch of sequences of these lengths (module doc, points 1 to 3)."""
     lengths = [int(n) for n in lengths]
-    groups: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        if n - 1 > capacity * num_devices:
-            raise JaxparError(f"a sequence of {n} tokens does not fit on {num_devices} devices of {capacity} positions each "
-                              f"(at most {capacity * num_devices + 1} tokens); raise the capacity or cut the sequence")
-        c = 1
-        while n - 1 > capacity * c:
-            c *= 2
-        if num_devices % c:
-            raise JaxparError(f"a sequence of {n} tokens needs context parallelism {c}, which does not divide {num_devices} devices")
-        groups.setdefault(c, []).append(i)
+    work = lambda row: sum(sequence_work(lengths[i], cfg) for i in row)  # noqa: E731
+    levels = _rows_by_context(lengths, num_devices, capacity, work)
+    remat, fit = _remat_and_fit(capacity, cfg, memory_budget)
     buckets = []
     load = np.zeros(num_devices)  # useful work dealt to each device so far
-    for c in sorted(groups, reverse=True):  # the longest first: the short rows then fill around them
-        members = sorted(groups[c], key=lambda i: -lengths[i])
-        if c == 1:  # first fit, longest first
-            rows: list[list[int]] = []
-            free: list[int] = []
-            for i in members:
-                slot = next((r for r, f in enumerate(free) if f >= lengths[i] - 1), None)
-                if slot is None:
-                    rows.append([])
-                    free.append(capacity)
-                    slot = len(rows) - 1
-                rows[slot].append(i)
-                free[slot] -= lengths[i] - 1
-        else:
-            rows = [[i] for i in members]
-        dealt = _deal(rows, c, load, lambda row: sum(sequence_work(lengths[i], cfg) for i in row))
-        remat, fit = _remat_and_fit(capacity, cfg, memory_budget)
-        per_group = len(dealt[0])
-        per_call = _rows_per_call(per_group, fit)
-        calls = math.ceil(per_group / per_call)
-        padded = tuple(tuple(g) + ((),) * (per_call * calls - len(g)) for g in dealt)
-        buckets.append(Bucket(c, capacity * c, padded, per_call, remat))
+    for c in sorted(levels, reverse=True):  # the longest first: the short rows then fill around them
+        rows = levels[c]
+        if c > 1:
+            rows += _fillers(levels, c, -len(rows) % (num_devices // c), capacity * c, lengths)
+        if not rows:  # every row went up as fillers
+            continue
+        dealt = _deal(rows, c, load, work)
+        calls = _call_rows(len(dealt[0]), fit)
+        buckets.append(Bucket(c, capacity * c, tuple(tuple(g) for g in dealt), calls, remat))
     return sorted(buckets, key=lambda b: b.context)
+
+
+def _context_of(n: int, num_devices: int, capacity: int, work: float, share: float) -> int:
+    """The smallest power of two c whose c x ``capacity`` positions hold a sequence of n tokens
+    and whose devices' part of its ``work`` is at most ``share`` (a device's mean of the batch's
+    work): a sequence that alone outweighs a device's share is spread over more devices."""
+    if n - 1 > capacity * num_devices:
+        raise JaxparError(f"a sequence of {n} tokens does not fit on {num_devices} devices of {capacity} positions each "
+                          f"(at most {capacity * num_devices + 1} tokens); raise the capacity or cut the sequence")
+    c = 1
+    while n - 1 > capacity * c:
+        c *= 2
+    if num_devices % c:
+        raise JaxparError(f"a sequence of {n} tokens needs context parallelism {c}, which does not divide {num_devices} devices")
+    while work / c > share and num_devices % (2 * c) == 0:
+        c *= 2
+    return c
+
+
+def _rows_by_context(lengths, num_devices: int, capacity: int, work) -> dict[int, list[list[int]]]:
+    """Rows of sequence indices by context degree: longest first, each sequence into the fullest
+    row it still fits in, by positions and by work (a row of degree c holds at most c devices'
+    mean share of the batch's work), else into a new row of its own degree (``_context_of``;
+    ``work(row)`` the useful FLOPs of a row): the tail of a long sequence's row holds short ones
+    instead of padding, and no row outweighs its devices' share."""
+    share = work(range(len(lengths))) / num_devices
+    levels: dict[int, list[list[int]]] = {}
+    free: list[list] = []  # per row: [free positions, work it may still take, context, row index]
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n, w = lengths[i] - 1, work([i])
+        fits = [room for room in free if room[0] >= n and room[1] >= w]
+        if fits:
+            room = min(fits, key=lambda room: room[0])
+        else:
+            c = _context_of(lengths[i], num_devices, capacity, w, share)
+            levels.setdefault(c, []).append([])
+            room = [capacity * c, c * share, c, len(levels[c]) - 1]
+            free.append(room)
+        room[0] -= n
+        room[1] -= w
+        levels[room[2]][room[3]].append(i)
+    return levels
+
+
+def _fillers(levels, context: int, slots: int, positions: int, lengths) -> list[list[int]]:
+    """Up to ``slots`` rows of ``positions`` made of whole rows taken from the lower degrees (the
+    lowest first): the data groups of degree ``context`` that would otherwise run an empty row run
+    these, which the lower degrees then no longer run."""
+    used = lambda row: sum(lengths[i] - 1 for i in row)  # noqa: E731
+    fillers = []
+    for _ in range(slots):
+        filler = []
+        for c in sorted(k for k in levels if k < context):
+            kept = []
+            for row in levels[c]:
+                if used(filler) + used(row) <= positions:
+                    filler += row
+                else:
+                    kept.append(row)
+            levels[c][:] = kept
+        if not filler:
+            break
+        fillers.append(filler)
+    return fillers
 
 
 def _remat_and_fit(capacity: int, cfg, memory_budget: float) -> tuple[str, int]:
@@ -130,24 +174,31 @@ def _remat_and_fit(capacity: int, cfg, memory_budget: float) -> tuple[str, int]:
     return remat, max(1, int(memory_budget // (capacity * bytes_per_token(cfg, remat))))
 
 
-def _rows_per_call(per_group: int, fit: int) -> int:
-    """Rows a data group runs per call: a power of two, so that the call shapes, and so the
-    compiled programs, are few and known before the first step (``call_shapes``)."""
-    return min(2 ** (fit.bit_length() - 1), 2 ** math.ceil(math.log2(per_group)))
+def _call_rows(per_group: int, fit: int) -> tuple[int, ...]:
+    """The rows a data group runs in each call: powers of two of at most ``fit`` rows (the binary
+    digits of ``per_group``, at most the largest power of two that fits), so that the call shapes,
+    and so the compiled programs, are few and known before the first step (``call_shapes``), and
+    no call runs empty rows to reach a power of two."""
+    largest = 2 ** (fit.bit_length() - 1)
+    calls = []
+    while per_group:
+        calls.append(min(largest, 2 ** (per_group.bit_length() - 1)))
+        per_group -= calls[-1]
+    return tuple(calls)
 
 
-def call_shapes(batch_size: int, longest: int, num_devices: int, capacity: int, cfg, memory_budget: float) -> list[tuple[int, str, int]]:
+def call_shapes(batch_size: int, num_devices: int, capacity: int, cfg, memory_budget: float) -> list[tuple[int, str, int]]:
     """Every (context, remat, rows per call over all groups) ``plan`` can give a batch of at most
-    ``batch_size`` sequences of at most ``longest`` tokens: the programs to compile before the
-    first step. A bucket of context c has at most one row per sequence, dealt over N / c groups."""
+    ``batch_size`` sequences: the programs to compile before the first step. Every degree that
+    divides the devices can occur (a short sequence heavy enough for its work to be spread), and
+    a bucket of context c has at most one row per sequence (a filler row holds several), dealt
+    over N / c groups."""
     remat, fit = _remat_and_fit(capacity, cfg, memory_budget)
     shapes, c = [], 1
     while num_devices % c == 0:
         groups = num_devices // c
-        most = _rows_per_call(math.ceil(batch_size / groups), fit)
+        most = max(_call_rows(math.ceil(batch_size / groups), fit))
         shapes += [(c, remat, groups * 2 ** k) for k in range(most.bit_length())]
-        if longest - 1 <= capacity * c:
-            break
         c *= 2
     return shapes
 
@@ -237,11 +288,11 @@ class DataCentricTrainer:
     def plan(self, sequences) -> list[Bucket]:
         return plan([len(s) for s in sequences], len(self.devices), self.capacity, self.model_cfg, self.memory_budget)
 
-    def compile_ahead(self, params, batch_size: int, longest: int) -> int:
+    def compile_ahead(self, params, batch_size: int) -> int:
         """Compile, before the first step, the program of every call shape a batch of at most
-        ``batch_size`` sequences of at most ``longest`` tokens can need (``call_shapes``): no step
-        then waits on a compile. Returns how many were compiled."""
-        shapes = call_shapes(batch_size, longest, len(self.devices), self.capacity, self.model_cfg, self.memory_budget)
+        ``batch_size`` sequences can need (``call_shapes``): no step then waits on a compile.
+        Returns how many were compiled."""
+        shapes = call_shapes(batch_size, len(self.devices), self.capacity, self.model_cfg, self.memory_budget)
         for context, remat, rows in shapes:
             self._program(context, remat, params, rows_batch([], [()] * rows, self.capacity * context, 1))
         zeros = lambda: self._on_flat((jnp.zeros(()), jax.tree.map(lambda p: jnp.zeros((len(self.devices), *p.shape), p.dtype), params)))  # noqa: E731
@@ -272,8 +323,8 @@ class DataCentricTrainer:
         wait = self.devices[0].platform == "cpu"
         for bucket in self.plan(sequences):
             start = time.perf_counter()
-            for call in range(bucket.calls):
-                rows = [row for g in bucket.rows for row in g[call * bucket.rows_per_call:(call + 1) * bucket.rows_per_call]]
+            for first, count in zip(np.cumsum((0,) + bucket.call_rows), bucket.call_rows):
+                rows = [row for g in bucket.rows for row in g[first:first + count]]
                 program, batch = self._program(bucket.context, bucket.remat, params, rows_batch(sequences, rows, bucket.length, real))
                 out = self._on_flat(program(params, batch))
                 if wait:
@@ -330,7 +381,7 @@ def train(model_fn, loss_fn, model_cfg, docs, *, steps: int, batch_size: int, ca
     n = len(trainer.devices)
     state, losses, ratios = trainer.init(seed), [], []
     start = time.perf_counter()
-    compiled = trainer.compile_ahead(state.params, batch_size, capacity * n + 1)
+    compiled = trainer.compile_ahead(state.params, batch_size)
     log(f"compiled the {compiled} call shapes a step may need in {time.perf_counter() - start:.1f} s")
     for step in range(steps):
         batch = data.documents_at(docs, step, batch_size, seed, capacity * n + 1)
