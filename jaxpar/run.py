@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar import flags, parallel
+from jaxpar import corpus, flags, parallel
 from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
 from jaxpar.models import FAMILIES, family_of, model_and_loss, model_config
@@ -81,6 +81,18 @@ class RunConfig:
         "train": "mixture-of-experts models: auxiliary-loss-free balancing, each step moving every layer's routing bias "
                  "by this much toward the experts that got fewer tokens than an even share (e.g. 0.001; 0: no bias, the default)",
         "compile": "mixture-of-experts models: the routing bias's step per training step (0: no bias)"})
+    # a user's own corpus (jaxpar.corpus): files or globs, how to read them, the tokenizer
+    data: str | None = flags.flag(None, group="data", help="your corpus instead of the built-in one: files, directories or globs, "
+                                  "comma-separated (.txt, .jsonl, .parquet); tokenized once into a cache beside it")
+    data_field: str = flags.flag("text", group="data", help="the field (JSON Lines) or column (Parquet) that holds the text")
+    data_separator: str | None = flags.flag(None, group="data", help="split plain text files into documents where this occurs "
+                                            "(e.g. a blank line: $'\\n\\n'); default: one document per file")
+    tokenizer: str = flags.flag("bytes", group="data", help="bytes (UTF-8 bytes, vocabulary 256), a Hugging Face tokenizer.json "
+                                "or a SentencePiece .model; the model's vocabulary follows it")
+    eval_data: str | None = flags.flag(None, group="data", help="held-out files (as --data); default: the last --eval-fraction "
+                                       "of --data's documents")
+    eval_fraction: float = flags.flag(0.05, group="data", help="with --data and no --eval-data: the documents held out")
+    data_cache: str | None = flags.flag(None, group="data", help="where token caches go (default: .jaxpar-cache beside the data)")
     train: TrainConfig = TrainConfig()
     # TrainConfig fields set on purpose even where they equal the default (the CLI's flags): like
     # any other non-default value, they are refused when the layout would ignore them
@@ -132,6 +144,7 @@ def check_run(run: RunConfig, checkpoint: CheckpointConfig | None = None, resume
     if not 0 <= run.seed < 2**63:  # it seeds jax.random.key and numpy's generator, which take no negative seed
         raise JaxparError(f"--seed {run.seed} must be a whole number from 0 to 2**63-1; pass e.g. --seed 0")
     run_model_config(run)
+    _check_data_options(run)
     rate, clip = run.train.learning_rate, run.train.clip_norm
     if not (math.isfinite(rate) and rate > 0):
         raise JaxparError(f"--learning-rate {rate:g} must be a finite positive number; give e.g. --learning-rate 3e-3")
@@ -164,7 +177,47 @@ def run_model_config(run: RunConfig):
     if run.packing and not family.packing:
         raise JaxparError(f"--packing on packs documents for next-token models; {run.model} ({family.words}) trains on "
                           f"windows of --seq-len tokens: drop --packing")
-    return family.configure(cfg, run.seq_len, **{option: getattr(run, option) for option in family.options})
+    cfg = family.configure(cfg, run.seq_len, **{option: getattr(run, option) for option in family.options})
+    return _with_tokenizer_vocabulary(run, cfg, family)
+
+
+VOCAB_MULTIPLE = 128  # a padded vocabulary splits over any power-of-two tensor degree up to 128
+
+
+def _with_tokenizer_vocabulary(run: RunConfig, cfg, family: Family):
+    """The model's vocabulary set to the run's tokenizer's, padded to ``VOCAB_MULTIPLE`` (the
+    padding's ids never occur in the data, so they are never a target; the sampler never draws
+    them). ``--tokenizer bytes`` keeps the model's own (every named config holds the 256 bytes)."""
+    if run.tokenizer == corpus.BYTES:
+        return cfg
+    if family.rows is not None or not hasattr(cfg, "vocab_size"):
+        raise JaxparError(f"--tokenizer {run.tokenizer} sets the vocabulary of next-token models (Llama, mixture of experts); "
+                          f"{run.model} is a {family.words}, which trains on byte tokens: drop --tokenizer")
+    size = corpus.load(run.tokenizer).vocab_size
+    return dataclasses.replace(cfg, vocab_size=-(-size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+
+
+def _check_data_options(run: RunConfig):
+    """Refuse the options that read a user's corpus when no ``--data`` names one."""
+    if run.data is None:
+        for option, value in (("--eval-data", run.eval_data), ("--data-separator", run.data_separator), ("--data-cache", run.data_cache)):
+            if value is not None:
+                raise JaxparError(f"{option} {value} reads your corpus, and no --data names one: add --data FILES, or drop {option}")
+    elif not 0.0 < run.eval_fraction < 1.0:
+        raise JaxparError(f"--eval-fraction {run.eval_fraction} must be strictly between 0 and 1, e.g. 0.05")
+
+
+def open_data(run: RunConfig, log) -> tuple[corpus.Corpus, corpus.Corpus] | None:
+    """(training, held-out) corpora of ``--data`` (tokenized into their caches first if need be),
+    or None for the built-in corpus; the options that read files are refused without it."""
+    if run.data is None:
+        return None
+    tokenizer = corpus.load(run.tokenizer)
+    read = dict(field=run.data_field, separator=run.data_separator, cache_root=run.data_cache, log=log)
+    whole = corpus.open_corpus(run.data, tokenizer, **read)
+    if run.eval_data is not None:
+        return whole, corpus.open_corpus(run.eval_data, tokenizer, **read)
+    return whole.split(run.eval_fraction)
 
 
 def check_model_axes(strategy: Strategy, cfg, model: str):
@@ -312,6 +365,11 @@ def check_same_function(run: RunConfig, cfg, strategy: Strategy, directory: str,
     if meta.get("model") != run.model:
         raise JaxparError(f"{where} holds model {meta.get('model')}, and this run is --model {run.model}: pass --model "
                           f"{meta.get('model')} to resume it, {afresh}")
+    saved = meta.get("tokenizer", {"identity": corpus.BYTES, "spec": corpus.BYTES})
+    if run.tokenizer != saved["spec"] and corpus.load(run.tokenizer).identity != saved["identity"]:
+        raise JaxparError(f"{where} was trained with --tokenizer {saved['spec']} ({saved['identity'][:30]}), and this run's "
+                          f"--tokenizer {run.tokenizer} is another: its ids would mean other text. Pass --tokenizer "
+                          f"{saved['spec']}, {afresh}")
     family = family_of(cfg)
     why = family.changed(cfg, meta, {option: getattr(run, option) for option in family.options})
     why = why or parallel.changed(parse_strategy(meta["strategy"], meta["devices"]), strategy)
@@ -361,6 +419,18 @@ def _data_position(run: RunConfig, next_step: int) -> dict:
     return {"seed": run.seed, "batch_size": run.batch_size, "seq_len": run.seq_len, "next_step": next_step}
 
 
+def _data_meta(run: RunConfig, own) -> dict:
+    """What a checkpoint records of the run's data: the tokenizer (its spec, identity and
+    vocabulary: ``jaxpar generate`` decodes with it, a resume is checked against it) and the
+    token caches the corpora were read from."""
+    if own is None:
+        return {"tokenizer": {"spec": corpus.BYTES, "identity": corpus.BYTES, "vocab_size": 256}, "corpus": "built-in"}
+    tokenizer = own[0].tokenizer
+    return {"tokenizer": {"spec": os.path.abspath(tokenizer.spec) if tokenizer.kind != corpus.BYTES else corpus.BYTES,
+                          "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size},
+            "corpus": [os.path.basename(part.record["directory"]) for part in own]}
+
+
 def rows_at(run: RunConfig, cfg):
     """``rows(corpus, step, first, stop)``: rows [first, stop) of the run's batch at ``step``, on the
     host, as its data settings make them (``corpus``: the token stream, or its documents under
@@ -374,10 +444,25 @@ def rows_at(run: RunConfig, cfg):
     return lambda corpus, step, first, stop: make(corpus, step, run.batch_size, run.seq_len, run.seed, first, stop)
 
 
-def _batches(run: RunConfig, trainer: Trainer, cfg, tokens, held_out):
-    """(training corpus, held-out corpus, batch_of(corpus, step)) as the run's data settings say."""
-    train, held = (data.documents(tokens), data.documents(held_out)) if run.packing else (tokens, held_out)
-    rows = rows_at(run, cfg)
+def _own_rows(run: RunConfig, cfg, train: corpus.Corpus, held: corpus.Corpus):
+    """(training reader, held-out reader, rows(reader, step, first, stop)) of ``--data``: Grain's
+    windows or packed rows (``corpus.pipeline``), made into the family's rows where it has its own."""
+    kind = corpus.PackedRows if run.packing else corpus.Windows
+    readers = [kind(part, run.seq_len, run.batch_size, run.seed) for part in (train, held)]
+    family = family_of(cfg)
+    if family.rows is not None:
+        return (*readers, lambda reader, step, a, b: family.rows(cfg, reader.rows(step, a, b)[:, :run.seq_len], run.seed, step, a))
+    return (*readers, lambda reader, step, a, b: reader.rows(step, a, b))
+
+
+def _batches(run: RunConfig, trainer: Trainer, cfg, tokens, held_out, own=None):
+    """(training corpus, held-out corpus, batch_of(corpus, step)) as the run's data settings say
+    (``own``: the (training, held-out) corpora of ``--data``)."""
+    if own is not None:
+        train, held, rows = _own_rows(run, cfg, *own)
+    else:
+        train, held = (data.documents(tokens), data.documents(held_out)) if run.packing else (tokens, held_out)
+        rows = rows_at(run, cfg)
     batch_of = lambda corpus, step: trainer.put_process_batch(  # noqa: E731
         run.batch_size, lambda a, b: rows(corpus, step, a, b)
     )
@@ -431,8 +516,9 @@ def run_training(
     log = (lambda msg: print(msg, file=progress, flush=True)) if (progress and lead) else (lambda msg: None)
     plan = plan_run(run, topology)
     trainer, strategy, cfg, family = Trainer.from_plan(plan.step), plan.strategy, plan.model_cfg, plan.family
-    tokens, held_out = data.split_corpus(data.corpus_tokens())
-    if run.seq_len >= len(held_out):
+    own = open_data(run, log)
+    tokens, held_out = data.split_corpus(data.corpus_tokens()) if own is None else (None, None)
+    if own is None and run.seq_len >= len(held_out):
         raise JaxparError(f"--seq-len {run.seq_len} is longer than the held-out text ({len(held_out)} tokens); use a shorter one")
     ckpt = _open_checkpoints(trainer, checkpoint, resume)
     try:
@@ -444,7 +530,8 @@ def run_training(
         meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": trainer.layout.mesh.size,
                 "processes": jax.process_count()}
         meta.update(family.meta(cfg))  # what the sampler and a resume read (a BD3-LM's blocks and window)
-        train, held, batch_of = _batches(run, trainer, cfg, tokens, held_out)
+        meta.update(_data_meta(run, own))
+        train, held, batch_of = _batches(run, trainer, cfg, tokens, held_out, own)
         state, steps = _train_steps(run, trainer, compiled, state, start, resumed, lambda step: batch_of(train, step), ckpt, meta,
                                     progress if lead else None, catch_signals)
     except BaseException:

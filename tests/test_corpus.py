@@ -1,0 +1,161 @@
+"""A user's own corpus and tokenizer (jaxpar.corpus, ``jaxpar train --data --tokenizer``): files
+written here in each format are read as their documents, tokenized once into a cache that a changed
+file invalidates, read through Grain exactly once per epoch whichever processes read which rows,
+and trained on with a tokenizer trained here; bad input is refused in words before any work."""
+import dataclasses
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import sentencepiece
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from jaxpar import corpus
+from jaxpar.errors import JaxparError
+from jaxpar.models import llama
+from jaxpar.run import RunConfig, check_same_function, run_training
+from jaxpar.topology import load_topology
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+
+
+def text_of(i: int) -> str:
+    """Document i: a few sentences of words in a seeded order (lengths vary from 3 to 60 words)."""
+    rng = np.random.default_rng(i)
+    return " ".join(rng.choice(WORDS, size=int(rng.integers(3, 60)))) + "."
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """One corpus in three formats: 12 plain text documents split by a blank line, 40 JSON Lines
+    records (the text in "body") and 30 Parquet rows (column "body")."""
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "notes.txt").write_text("\n\n".join(text_of(i) for i in range(12)))
+    with open(root / "records.jsonl", "w") as f:
+        for i in range(12, 52):
+            f.write(json.dumps({"id": i, "body": text_of(i)}) + "\n")
+    pq.write_table(pa.table({"body": [text_of(i) for i in range(52, 82)]}), root / "rows.parquet", row_group_size=7)
+    return root
+
+
+def test_each_format_reads_as_its_documents(files):
+    for spec, field, separator, first, count in ((str(files / "notes.txt"), "text", "\n\n", 0, 12),
+                                                  (str(files / "*.jsonl"), "body", None, 12, 40),
+                                                  (str(files / "rows.parquet"), "body", None, 52, 30)):
+        docs = list(corpus.sources.documents(corpus.sources.files(spec), field, separator))
+        assert docs == [text_of(i) for i in range(first, first + count)], spec
+
+
+def test_the_cache_is_made_once_and_a_changed_file_makes_a_new_one(files, tmp_path):
+    logs = []
+    source = tmp_path / "one.jsonl"
+    source.write_text("".join(json.dumps({"text": text_of(i)}) + "\n" for i in range(5)))
+    first = corpus.open_corpus(str(source), corpus.load("bytes"), log=logs.append)
+    again = corpus.open_corpus(str(source), corpus.load("bytes"), log=logs.append)
+    assert len(logs) == 1 and again.record["directory"] == first.record["directory"]  # read, not tokenized again
+    assert [bytes(d.tolist()).decode() for d in again.documents()] == [text_of(i) for i in range(5)]
+    source.write_text(source.read_text().replace("alpha", "omega"))
+    changed = corpus.open_corpus(str(source), corpus.load("bytes"), log=logs.append)
+    assert len(logs) == 2 and changed.record["directory"] != first.record["directory"]
+    assert b"omega" in bytes(np.asarray(changed.tokens).astype(np.uint8))
+
+
+@pytest.mark.parametrize("kind", [corpus.Windows, corpus.PackedRows])
+def test_every_token_is_read_once_per_epoch_whichever_process_reads_which_rows(files, kind):
+    whole = corpus.open_corpus(f"{files}/records.jsonl,{files}/rows.parquet", corpus.load("bytes"), field="body")
+    reader = kind(whole, 24, 8, seed=3)
+    records = reader.records if kind is corpus.Windows else len(reader.rows_of)
+    steps = -(-records // 8)
+    # two processes, each its half of every global batch; then one process reading all rows
+    halves = [[reader.rows(step, a, b) for step in range(steps)] for a, b in ((0, 4), (4, 8))]
+    alone = [reader.rows(step, 0, 8) for step in range(steps)]
+    if kind is corpus.Windows:
+        got = np.concatenate([np.concatenate(h) for h in zip(*halves)])
+        np.testing.assert_array_equal(got, np.concatenate(alone))
+        windows = [np.asarray(whole.tokens[w * 24:w * 24 + 25], np.int32).tobytes() for w in range(records)]
+        assert records == (len(whole.tokens) - 1) // 24  # every prediction but the last partial window's
+        assert sorted(row.tobytes() for row in got[:records]) == sorted(windows)  # the first epoch: each window once
+        return
+    for key in alone[0]:
+        np.testing.assert_array_equal(np.concatenate([np.concatenate([h[s][key] for h in halves]) for s in range(steps)]),
+                                      np.concatenate([a[key] for a in alone]))
+    # the first epoch's rows hold every document once (one longer than a row in pieces that overlap
+    # by one token: each of its predictions is made once)
+    read = [(r["inputs"][i][r["segments"][i] == g], r["targets"][i][r["segments"][i] == g])
+            for r in alone for i in range(8) for g in range(1, r["segments"][i].max() + 1)]
+    read = read[:sum(len(row) for row in reader.rows_of)]
+    pieces = sorted(np.append(x, y[-1]).tobytes() for x, y in read)
+    assert pieces == sorted(np.asarray(whole.tokens[a:b], np.int32).tobytes() for a, b in reader.pieces)
+    assert sum(b - a - 1 for a, b in reader.pieces) == sum(b - a - 1 for a, b in whole.bounds)  # every prediction once
+    # a batch's weights make the mean over every slot the mean over the global batch's real tokens
+    for r in alone:
+        assert r["weights"].sum() == pytest.approx(r["weights"].size, rel=1e-5)
+
+
+def train_bpe(path, texts):
+    tokenizer = HFTokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(path))
+
+
+def test_tokenizers_trained_here_round_trip(tmp_path):
+    texts = [text_of(i) for i in range(200)]
+    train_bpe(tmp_path / "tokenizer.json", texts)
+    (tmp_path / "train.txt").write_text("\n".join(texts))
+    sentencepiece.SentencePieceTrainer.train(input=str(tmp_path / "train.txt"), model_prefix=str(tmp_path / "sp"), vocab_size=80,
+                                             model_type="bpe", minloglevel=2)
+    for path, size in ((tmp_path / "tokenizer.json", 300), (tmp_path / "sp.model", 80)):
+        tokenizer = corpus.load(str(path))
+        assert tokenizer.vocab_size == size and tokenizer.end_id is not None
+        for text in (text_of(500), "sigma tau."):
+            ids = tokenizer.encode(text)
+            assert max(ids) < size and len(ids) < len(text) and tokenizer.decode(ids) == text
+    assert corpus.load("bytes").decode(corpus.load("bytes").encode("é x")) == "é x"
+
+
+def test_training_on_your_corpus_with_your_tokenizer(files, tmp_path):
+    train_bpe(tmp_path / "tokenizer.json", [text_of(i) for i in range(200)])
+    run = RunConfig(model="tiny", strategy="fsdp=4,tensor=2", steps=6, batch_size=8, seq_len=32, seed=0,
+                    data=f"{files}/records.jsonl,{files}/rows.parquet", data_field="body", tokenizer=str(tmp_path / "tokenizer.json"),
+                    eval_data=str(files / "notes.txt"), data_separator="\n\n")
+    report = run_training(run, load_topology("cpu-8"), progress=None)
+    # the vocabulary follows the tokenizer (300 ids, padded to 384); the loss starts near ln(300)
+    # and falls; the held-out loss is read from the other file
+    assert report["num_params"] == dataclasses.replace(llama.CONFIGS["tiny"], vocab_size=384).num_params()
+    assert 5.0 < report["losses"][0] < 7.0 and report["losses"][-1] < report["losses"][0] - 0.5, report["losses"]
+    assert np.isfinite(report["held_out_loss"])
+
+
+def test_bad_input_is_refused_in_words(files, tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "other.jsonl").write_text('{"body": "no text field"}\n')
+    (tmp_path / "tokenizer.json").write_text("{not a tokenizer")
+    cases = [
+        (lambda: corpus.sources.files(str(tmp_path / "missing*.txt")), "no such file"),
+        (lambda: corpus.sources.files(str(tmp_path / "empty.txt")), "empty.txt is empty"),
+        (lambda: list(corpus.sources.documents([str(tmp_path / "bad.jsonl")])), "bad.jsonl line 2 is not JSON"),
+        (lambda: list(corpus.sources.documents([str(tmp_path / "other.jsonl")])), r"line 1 has no field 'text' \(it has \['body'\]\)"),
+        (lambda: list(corpus.sources.documents([str(files / "rows.parquet")], "text")), r"no column 'text' \(it has \['body'\]\)"),
+        (lambda: corpus.load(str(tmp_path / "tokenizer.json")), "cannot be read as a Hugging Face tokenizer.json"),
+        (lambda: corpus.load(str(tmp_path / "none.model")), "none.model: no such file"),
+        (lambda: run_training(RunConfig(model="bd3lm-tiny", tokenizer=str(files / "notes.txt")), load_topology("cpu-8"), progress=None),
+         "sets the vocabulary of next-token models"),
+        (lambda: run_training(RunConfig(eval_data=str(files / "notes.txt")), load_topology("cpu-8"), progress=None),
+         "no --data names one"),
+    ]
+    for call, message in cases:
+        with pytest.raises(JaxparError, match=message):
+            call()
+    # a checkpoint trained with another tokenizer is refused from its meta, before any array is read
+    train_bpe(tmp_path / "good.json", [text_of(i) for i in range(50)])
+    meta = {"step": 4, "model": "tiny", "strategy": "data=8", "devices": 8, "tokenizer": {"spec": "bytes", "identity": "bytes"}}
+    run = RunConfig(model="tiny", strategy="data=8", tokenizer=str(tmp_path / "good.json"))
+    with pytest.raises(JaxparError, match="was trained with --tokenizer bytes"):
+        check_same_function(run, None, None, "runs/x", meta)
