@@ -426,9 +426,12 @@ def _data_meta(run: RunConfig, own) -> dict:
     if own is None:
         return {"tokenizer": {"spec": corpus.BYTES, "identity": corpus.BYTES, "vocab_size": 256}, "corpus": "built-in"}
     tokenizer = own[0].tokenizer
-    return {"tokenizer": {"spec": os.path.abspath(tokenizer.spec) if tokenizer.kind != corpus.BYTES else corpus.BYTES,
-                          "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size},
-            "corpus": [os.path.basename(part.record["directory"]) for part in own]}
+    out = {"tokenizer": {"spec": os.path.abspath(tokenizer.spec) if tokenizer.kind != corpus.BYTES else corpus.BYTES,
+                         "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size},
+           "corpus": [os.path.basename(part.record["directory"]) for part in own]}
+    if tokenizer.kind != corpus.BYTES:  # the model's vocabulary is the tokenizer's, padded: a restore reads it here
+        out["vocab_size"] = run_model_config(run).vocab_size
+    return out
 
 
 def rows_at(run: RunConfig, cfg):
@@ -522,6 +525,8 @@ def run_training(
         raise JaxparError(f"--seq-len {run.seq_len} is longer than the held-out text ({len(held_out)} tokens); use a shorter one")
     ckpt = _open_checkpoints(trainer, checkpoint, resume)
     try:
+        if ckpt is not None and own is not None:  # its checkpoints are read with it (jaxpar generate)
+            corpus.keep(own[0].tokenizer, ckpt.directory)
         check_meta = functools.partial(check_same_function, run, cfg, strategy, ckpt.directory) if ckpt else None
         state, start, resumed = _start_state(trainer, run, ckpt, resume, log, check_meta)
         if on_start is not None:

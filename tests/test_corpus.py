@@ -4,6 +4,7 @@ file invalidates, read through Grain exactly once per epoch whichever processes 
 and trained on with a tokenizer trained here; bad input is refused in words before any work."""
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pyarrow as pa
@@ -17,6 +18,8 @@ from jaxpar import corpus
 from jaxpar.errors import JaxparError
 from jaxpar.models import llama
 from jaxpar.run import RunConfig, check_same_function, run_training
+from jaxpar.serve.llama import generate_from_checkpoint
+from jaxpar.train.checkpoint import CheckpointConfig
 from jaxpar.topology import load_topology
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
@@ -119,17 +122,33 @@ def test_tokenizers_trained_here_round_trip(tmp_path):
     assert corpus.load("bytes").decode(corpus.load("bytes").encode("é x")) == "é x"
 
 
-def test_training_on_your_corpus_with_your_tokenizer(files, tmp_path):
-    train_bpe(tmp_path / "tokenizer.json", [text_of(i) for i in range(200)])
+@pytest.mark.parametrize("kind", ["tokenizers", "sentencepiece"])
+def test_training_on_your_corpus_with_your_tokenizer_then_generating_text(files, tmp_path, kind):
+    texts = [text_of(i) for i in range(200)]
+    if kind == "tokenizers":
+        train_bpe(tmp_path / "tokenizer.json", texts)
+        path, size = tmp_path / "tokenizer.json", 300
+    else:
+        (tmp_path / "train.txt").write_text("\n".join(texts))
+        sentencepiece.SentencePieceTrainer.train(input=str(tmp_path / "train.txt"), model_prefix=str(tmp_path / "sp"),
+                                                 vocab_size=80, model_type="bpe", minloglevel=2)
+        path, size = tmp_path / "sp.model", 80
     run = RunConfig(model="tiny", strategy="fsdp=4,tensor=2", steps=6, batch_size=8, seq_len=32, seed=0,
-                    data=f"{files}/records.jsonl,{files}/rows.parquet", data_field="body", tokenizer=str(tmp_path / "tokenizer.json"),
+                    data=f"{files}/records.jsonl,{files}/rows.parquet", data_field="body", tokenizer=str(path),
                     eval_data=str(files / "notes.txt"), data_separator="\n\n")
-    report = run_training(run, load_topology("cpu-8"), progress=None)
-    # the vocabulary follows the tokenizer (300 ids, padded to 384); the loss starts near ln(300)
-    # and falls; the held-out loss is read from the other file
-    assert report["num_params"] == dataclasses.replace(llama.CONFIGS["tiny"], vocab_size=384).num_params()
-    assert 5.0 < report["losses"][0] < 7.0 and report["losses"][-1] < report["losses"][0] - 0.5, report["losses"]
-    assert np.isfinite(report["held_out_loss"])
+    report = run_training(run, load_topology("cpu-8"), progress=None, checkpoint=CheckpointConfig(str(tmp_path / "run"), every=6))
+    # the vocabulary follows the tokenizer, padded to a multiple of 128; the loss starts near
+    # ln(vocabulary) and falls; the held-out loss is read from the other file
+    padded = -(-size // 128) * 128
+    assert report["num_params"] == dataclasses.replace(llama.CONFIGS["tiny"], vocab_size=padded).num_params()
+    assert math.log(padded) - 1 < report["losses"][0] < math.log(padded) + 1.2, report["losses"]
+    assert report["losses"][-1] < report["losses"][0] - 0.5 and np.isfinite(report["held_out_loss"]), report["losses"]
+    # the checkpoint keeps the tokenizer: generation reads it there, even with the original gone
+    path.unlink()
+    (out,), _ = generate_from_checkpoint(str(tmp_path / "run"), ["sigma tau"], 6)
+    words = corpus.load(str(next((tmp_path / "run").glob("tokenizer.*"))))
+    assert out.text.startswith("sigma tau") and out.text == words.decode(out.tokens)
+    assert out.tokens[:out.prompt_tokens].tolist() == words.encode("sigma tau") and out.tokens.max() < size
 
 
 def test_bad_input_is_refused_in_words(files, tmp_path):

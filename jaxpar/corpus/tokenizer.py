@@ -12,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import shutil
+import tempfile
 
 from jaxpar.errors import JaxparError
 
 BYTES = "bytes"
+KEPT = "tokenizer"  # a checkpoint directory keeps its run's tokenizer file under this name (+ .json or .model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,3 +85,34 @@ def _sentencepiece(path: str, digest: str) -> Tokenizer:
                           f"give a .model file, or a Hugging Face tokenizer.json") from None
     end = impl.eos_id()
     return Tokenizer(path, "sentencepiece", f"sentencepiece:{digest}", impl.get_piece_size(), end if end >= 0 else None, impl)
+
+
+def keep(tokenizer: Tokenizer, directory: str) -> None:
+    """Copy the tokenizer's file into ``directory`` (a run's checkpoint directory), so that its
+    checkpoints are read with it wherever they are moved (``kept``); written whole or not at all."""
+    if tokenizer.kind == BYTES:
+        return
+    target = os.path.join(directory, KEPT + (".json" if tokenizer.kind == "tokenizers" else ".model"))
+    if os.path.exists(target) and load(target).identity == tokenizer.identity:
+        return
+    fd, part = tempfile.mkstemp(dir=directory, prefix=".tokenizer-")
+    os.close(fd)
+    shutil.copyfile(tokenizer.spec, part)
+    os.replace(part, target)
+
+
+def kept(directory: str, identity: str) -> Tokenizer:
+    """The tokenizer a checkpoint in ``directory`` was trained with (its meta's ``identity``),
+    from the file ``keep`` put there; refused if it is missing or another tokenizer's."""
+    if identity == BYTES:
+        return load(BYTES)
+    for suffix in (".json", ".model"):
+        path = os.path.join(directory, KEPT + suffix)
+        if os.path.exists(path):
+            tokenizer = load(path)
+            if tokenizer.identity != identity:
+                raise JaxparError(f"{path} is not the tokenizer the checkpoints in {directory} were trained with "
+                                  f"({identity[:40]}...); put that tokenizer's file back there")
+            return tokenizer
+    raise JaxparError(f"the checkpoints in {directory} were trained with a tokenizer ({identity[:40]}...) whose file "
+                      f"{KEPT}.json or {KEPT}.model is not there; copy the run's tokenizer file there under that name")

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxpar.errors import JaxparError
-from jaxpar import models
+from jaxpar import corpus, models
 from jaxpar.models import family_of, model_and_loss, model_config
 from jaxpar.parallel import compiler_options, serves_manually
 from jaxpar.rules import Layout, logical_names, use_layout
@@ -279,6 +279,8 @@ def _restore_step(ckpt, checkpoint_dir: str, step: int, family: str, layout: Lay
     meta = ckpt.read_meta(step)
     cfg = model_config(meta["model"])
     cfg = family_of(cfg).saved(cfg, meta)
+    if "vocab_size" in meta:  # a run whose tokenizer set the model's vocabulary (run._with_tokenizer_vocabulary)
+        cfg = dataclasses.replace(cfg, vocab_size=meta["vocab_size"])
     if family_of(cfg).name != family:
         raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} holds {meta['model']!r}, a {family_of(cfg).words}; "
                           f"this generates from {family_words(family)}s")
@@ -310,12 +312,12 @@ def _restore_step(ckpt, checkpoint_dir: str, step: int, family: str, layout: Lay
 
 def encode_text(text: str) -> np.ndarray:
     """The main job's tokens of ``text``: its UTF-8 bytes, int32 (length,)."""
-    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+    return np.asarray(corpus.load(corpus.BYTES).encode(text), np.int32)
 
 
 def decode_tokens(tokens) -> str:
     """Byte tokens as text (UTF-8; a byte sequence that is not valid UTF-8 becomes U+FFFD)."""
-    return bytes(np.asarray(tokens, np.uint8).tolist()).decode("utf-8", errors="replace")
+    return corpus.load(corpus.BYTES).decode(tokens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import affinity
+from jaxpar import affinity, corpus
 from jaxpar.attention import DEFAULT_BLOCK
 from jaxpar.errors import JaxparError
 from jaxpar.models import family_of
@@ -52,8 +52,7 @@ from jaxpar.nn import shard_offset
 from jaxpar.parallel import serves_manually
 from jaxpar.parallel.tensor import DELAYED
 from jaxpar.rules import Layout, use_layout
-from jaxpar.serve.common import (BYTE_VOCAB, NEXT_TOKEN, Generated, Served, check_pick, decode_tokens, encode_text, is_int, pad_rows, pick,
-                                 restore_model)
+from jaxpar.serve.common import NEXT_TOKEN, Generated, Served, check_pick, is_int, pad_rows, pick, restore_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,8 +207,9 @@ def _entry(axes: tuple[str, ...]):
 def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.0,
                              top_p: float = 1.0, seed: int = 0, max_length: int | None = None, layout: Layout | None = None,
                              step: int | None = None, permutation: str | None = None, family: str = "llama") -> tuple[list[Generated], Decoded]:
-    """Continue each of ``prompts`` (text) by ``max_new_tokens`` byte tokens from the weights of a
-    ``jaxpar train`` checkpoint of a model of ``family`` (a Llama, or ``moe``), as ``Decoder.generate`` does on their UTF-8 bytes:
+    """Continue each of ``prompts`` (text) by ``max_new_tokens`` tokens from the weights of a
+    ``jaxpar train`` checkpoint of a model of ``family`` (a Llama, or ``moe``), as ``Decoder.generate`` does on their ids by the
+    tokenizer the run trained with (UTF-8 bytes, or the file its checkpoint directory keeps: ``corpus.kept``):
     (one ``Generated`` per prompt, the decoding's ``Decoded``). ``max_length``: default the run's
     ``--seq-len`` (positions beyond it were never trained on; pass a larger one to go further).
     ``permutation``: a file of ``jaxpar affinity`` whose order of heads and MLP columns the weights
@@ -217,14 +217,15 @@ def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_to
     check_pick(temperature, top_p)
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise JaxparError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
-    encoded = [encode_text(p) for p in prompts]
-    empty = [i for i, e in enumerate(encoded) if not len(e)]
-    if not encoded or empty:
+    empty = [i for i, p in enumerate(prompts) if not p]
+    if not prompts or empty:
         raise JaxparError(f"prompt {empty[0]} is empty: give each prompt some text" if empty else "no prompt given: pass at least one")
-
+    encoded, tokenizer = [], []  # the prompts' ids, by the tokenizer the run trained with (its meta names it)
     placed = []  # the permutation, once read and checked against the model and the layout
 
     def check(meta, cfg):  # before any array is read
+        tokenizer[:] = [corpus.kept(checkpoint_dir, meta.get("tokenizer", {"identity": corpus.BYTES})["identity"])]
+        encoded[:] = [np.asarray(tokenizer[0].encode(p), np.int32) for p in prompts]
         bound, what = (meta["data"]["seq_len"], "the run's --seq-len") if max_length is None else (max_length, "max_length")
         longest = max(len(e) for e in encoded)
         if longest + max_new_tokens > bound:
@@ -237,9 +238,10 @@ def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_to
     _warn_of_delay(meta, layout, permutation)
     if placed:
         affinity.permute_model(model, placed[0])
-    decoded = Decoder(model, layout=layout, vocab=BYTE_VOCAB).generate(encoded, max_new_tokens, temperature=temperature,
-                                                                       top_p=top_p, seed=seed)
-    return [Generated(decode_tokens(t), decode_tokens(t[len(e):]), t, len(e), meta["model"], meta["step"])
+    words = tokenizer[0]
+    decoded = Decoder(model, layout=layout, vocab=words.vocab_size).generate(encoded, max_new_tokens, temperature=temperature,
+                                                                             top_p=top_p, seed=seed)
+    return [Generated(words.decode(t), words.decode(t[len(e):]), t, len(e), meta["model"], meta["step"])
             for t, e in zip(decoded.tokens, encoded)], decoded
 
 
