@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 
 # Exit statuses, the same for every command: defined with the errors that cause them
 from jaxpar.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_ON_SIGNAL, EXIT_SIGINT, EXIT_SIGTERM, EXIT_STATUSES, JaxparError
@@ -53,6 +54,8 @@ def _train_parser(sub, chosen: str | None):
     from jaxpar.train.config import TrainConfig
 
     p.add_argument("--topology", default="cpu-8", help="a name from meshes/ or a path to a topology TOML file")
+    p.add_argument("--config", metavar="RUN.toml", help="take options from a run file (key = value, each key an option's name; "
+                   "options given here override it), or from a run's run.toml or metrics JSON to repeat it")
     add_flags(p, RunConfig, "train")
     p.add_argument("--metrics-json", metavar="PATH", help="write per-step loss and time and the memory and communication report here")
     add_flags(p, TrainConfig, "train")  # its gradient sync options in their own group
@@ -495,9 +498,10 @@ def _train(args) -> int:
     if args.dcp == "on":
         return _train_dcp(args, topology)
     launch.initialize(dist, topology.platform)
+    record = _record(args, "train")
     try:
         report = run_training(run, topology, checkpoint=checkpoint, resume=resume, analyze=step_report,
-                              on_start=_partial_metrics(args.metrics_json, run, topology))
+                              on_start=_partial_metrics(args.metrics_json, run, topology), record=record)
     except NothingToDo as done:  # a job that is finished already: a rerun, or a launcher's restart after the last save
         print(f"jaxpar train: {done}", file=sys.stderr)
         return EXIT_OK
@@ -509,11 +513,33 @@ def _train(args) -> int:
         else:
             print(format_summary(report))
         if args.metrics_json:
-            write_json_atomically(args.metrics_json, report)
+            write_json_atomically(args.metrics_json, dict(report, run=record))
             print(f"\nmetrics written to {args.metrics_json}")
     if report["interrupted"]:
         return EXIT_ON_SIGNAL[report["interrupted"]]
     return EXIT_FAILED if report["nonfinite"] else EXIT_OK
+
+
+def _command_options(chosen: str) -> dict:
+    """{key: argparse action} of the options of the command ``chosen`` (``runfile.options_of``)."""
+    from jaxpar import runfile
+
+    parser = _parser(chosen)
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return runfile.options_of(commands.choices[chosen])
+
+
+def _record(args, chosen: str) -> dict:
+    """The run's resolved options and, in ``recorded``, the versions it ran with (a run file)."""
+    from importlib import metadata
+
+    import jax
+
+    from jaxpar import runfile
+
+    recorded = {"jaxpar": metadata.version("jaxpar"), "jax": jax.__version__, "command": chosen,
+                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return dict(runfile.resolved(args, _command_options(chosen)), **{runfile.RECORDED: recorded})
 
 
 def _partial_metrics(path: str | None, run, topology):
@@ -664,6 +690,10 @@ def main(argv=None) -> int:
     message = None
     with _signals_end(chosen):
         try:
+            if chosen == "train":  # a run file's options first: those given here override them
+                from jaxpar import runfile
+
+                argv = runfile.with_config(argv, _command_options(chosen))
             status = COMMANDS[chosen](_parser(chosen).parse_args(argv))
         except JaxparError as err:  # bad input (2), or a job that ran and failed (JobFailed: 1)
             status, message = err.exit_status, str(err)

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar import corpus, flags, parallel
+from jaxpar import corpus, flags, parallel, runfile
 from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
 from jaxpar.models import FAMILIES, family_of, model_and_loss, model_config
@@ -491,7 +491,7 @@ class _Steps:
 def run_training(
     run: RunConfig, topology: Topology, progress=sys.stderr,
     checkpoint: CheckpointConfig | None = None, resume: str = "never", catch_signals: bool = True,
-    analyze=None, on_start=None,
+    analyze=None, on_start=None, record: dict | None = None,
 ) -> dict:
     """Train and return the report (per-step losses and times, throughput, checkpoints).
 
@@ -513,7 +513,11 @@ def run_training(
     report says ``interrupted``: "SIGINT" or "SIGTERM" (the held-out loss is then not computed).
     A multi-process job is not stopped this way: its processes would stop at different steps and
     wait for each other; it resumes from its last periodic checkpoint. In a multi-process job every
-    process calls this; only process 0 prints."""
+    process calls this; only process 0 prints.
+
+    ``record``: the run's resolved options (``runfile.resolved``, with their ``recorded`` table),
+    kept in every checkpoint's meta and, as ``run.toml``, in the checkpoint directory: ``jaxpar
+    train --config`` of it repeats the run."""
     check_run(run, checkpoint, resume)
     lead = jax.process_index() == 0
     log = (lambda msg: print(msg, file=progress, flush=True)) if (progress and lead) else (lambda msg: None)
@@ -527,6 +531,9 @@ def run_training(
     try:
         if ckpt is not None and own is not None:  # its checkpoints are read with it (jaxpar generate)
             corpus.keep(own[0].tokenizer, ckpt.directory)
+        if ckpt is not None and record is not None and lead:
+            options = {key: value for key, value in record.items() if key != runfile.RECORDED}
+            runfile.write(ckpt.directory, runfile.record_text(options, record.get(runfile.RECORDED, {})))
         check_meta = functools.partial(check_same_function, run, cfg, strategy, ckpt.directory) if ckpt else None
         state, start, resumed = _start_state(trainer, run, ckpt, resume, log, check_meta)
         if on_start is not None:
@@ -535,7 +542,7 @@ def run_training(
         meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": trainer.layout.mesh.size,
                 "processes": jax.process_count()}
         meta.update(family.meta(cfg))  # what the sampler and a resume read (a BD3-LM's blocks and window)
-        meta.update(_data_meta(run, own))
+        meta.update(_data_meta(run, own), **({"run": record} if record is not None else {}))
         train, held, batch_of = _batches(run, trainer, cfg, tokens, held_out, own)
         state, steps = _train_steps(run, trainer, compiled, state, start, resumed, lambda step: batch_of(train, step), ckpt, meta,
                                     progress if lead else None, catch_signals)
