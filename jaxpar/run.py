@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar import corpus, flags, parallel, runfile
+from jaxpar import corpus, flags, parallel, runfile, scalars
 from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
 from jaxpar.models import FAMILIES, family_of, model_and_loss, model_config
@@ -37,6 +37,7 @@ from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
 from jaxpar.train.placement import BatchPlacement
 from jaxpar.train.plan import Plan, make_plan
+from jaxpar.train.state import learning_rate_schedule
 from jaxpar.train.step import TrainConfig, Trainer, nonfinite_message
 
 
@@ -93,6 +94,9 @@ class RunConfig:
                                        "of --data's documents")
     eval_fraction: float = flags.flag(0.05, group="data", help="with --data and no --eval-data: the documents held out")
     data_cache: str | None = flags.flag(None, group="data", help="where token caches go (default: .jaxpar-cache beside the data)")
+    # TensorBoard event files of every step's figures (jaxpar.scalars)
+    tensorboard: str | None = flags.flag(None, metavar="DIR", help="write each step's loss, learning rate, gradient norm, tokens/s, "
+                                         "MFU estimate and memory (and the held-out loss at the end) as TensorBoard scalars under DIR")
     train: TrainConfig = TrainConfig()
     # TrainConfig fields set on purpose even where they equal the default (the CLI's flags): like
     # any other non-default value, they are refused when the layout would ignore them
@@ -150,6 +154,8 @@ def check_run(run: RunConfig, checkpoint: CheckpointConfig | None = None, resume
         raise JaxparError(f"--learning-rate {rate:g} must be a finite positive number; give e.g. --learning-rate 3e-3")
     if not (math.isfinite(clip) and clip >= 0):
         raise JaxparError(f"--clip-norm {clip:g} must be a finite number, 0 or more (0: no clipping); give e.g. --clip-norm 1.0")
+    if run.tensorboard is not None:
+        check_writable(run.tensorboard, "--tensorboard", directory=True)
     if resume not in ("never", "auto", "required"):
         raise JaxparError(f"resume={resume!r} is not one of never, auto, required")
     if checkpoint is None:
@@ -544,8 +550,10 @@ def run_training(
         meta.update(family.meta(cfg))  # what the sampler and a resume read (a BD3-LM's blocks and window)
         meta.update(_data_meta(run, own), **({"run": record} if record is not None else {}))
         train, held, batch_of = _batches(run, trainer, cfg, tokens, held_out, own)
+        board = scalars.TensorBoard(run.tensorboard) if (run.tensorboard and lead) else None
+        figures = _figures(run, trainer, cfg, topology, board) if board else None
         state, steps = _train_steps(run, trainer, compiled, state, start, resumed, lambda step: batch_of(train, step), ckpt, meta,
-                                    progress if lead else None, catch_signals)
+                                    progress if lead else None, catch_signals, figures)
     except BaseException:
         if ckpt is not None:  # the lock goes (a save that failed was reported already)
             with contextlib.suppress(Exception):
@@ -561,19 +569,23 @@ def run_training(
         # the compiled step's loss is the loss at the weights it is given (before its update): one
         # more call of it on a held-out batch, whose updated state is dropped, costs no compile
         held_out_loss = _scalar(compiled(state, batch_of(held, 0))[1]["loss"])
+    if board:
+        board.add(steps.done, {"eval/held_out_loss": held_out_loss})
+        board.close()
     model_length = family.reads(run.seq_len)  # a block diffusion model reads [x_t ; x_0]
     analysis = dict(analyze(trainer, compiled, strategy, cfg, (run.batch_size, model_length)) if analyze else {}, **batch_report)
     return _report(run, topology, trainer, strategy, cfg, start, steps, held_out_loss, model_length, analysis, ckpt)
 
 
 def _train_steps(run: RunConfig, trainer: Trainer, compiled, state, start: int, resumed: dict | None, batch_at, ckpt,
-                 meta: dict, progress, catch_signals: bool):
+                 meta: dict, progress, catch_signals: bool, figures=None):
     """(state, _Steps): the steps from ``start`` to ``run.steps``, saving as ``ckpt`` says, stopped
-    at a step boundary by SIGINT or SIGTERM (``StopSignals``) or by a non-finite step."""
+    at a step boundary by SIGINT or SIGTERM (``StopSignals``) or by a non-finite step;
+    ``figures(step, loss, gradient norm, seconds)`` after each (``--tensorboard``)."""
     history = (resumed or {}).get("history", {"losses": [], "grad_norms": [], "step_times_s": []})  # checkpoints saved before they were kept hold none
     steps = _Steps(*(list(history[k]) for k in ("losses", "grad_norms", "step_times_s")), done=start,
                    first_loss_step=start - len(history["losses"]) + 1)
-    bar = _Progress(start, run.steps, progress) if (progress and start < run.steps) else None
+    bar = scalars.Progress(start, run.steps, progress) if (progress and start < run.steps) else None
     catch = catch_signals and jax.process_count() == 1 and threading.current_thread() is threading.main_thread()
     with StopSignals(catch) as stop:
         for step in range(start, run.steps):
@@ -605,7 +617,9 @@ def _train_steps(run: RunConfig, trainer: Trainer, compiled, state, start: int, 
                     break  # the report says where and why; the CLI exits 1
             report_progress("done", done)
             if bar:
-                bar.update(done, loss, run.batch_size * run.seq_len / steps.times[-1])
+                bar.update(done, f"loss {loss:.3f} {run.batch_size * run.seq_len / steps.times[-1]:,.0f} tok/s")
+            if figures:
+                figures(done, loss, grad_norm, steps.times[-1])
             if ckpt and (ckpt.should_save(done, run.steps) or stop.name):
                 began = time.perf_counter()
                 so_far = {"losses": list(steps.losses), "grad_norms": list(steps.grad_norms), "step_times_s": list(steps.times)}  # copies: saving goes on behind
@@ -620,6 +634,23 @@ def _train_steps(run: RunConfig, trainer: Trainer, compiled, state, start: int, 
             ckpt.close()
     steps.interrupted = stop.name
     return state, steps
+
+
+def _figures(run: RunConfig, trainer: Trainer, cfg, topology: Topology, board: scalars.TensorBoard):
+    """``_train_steps``'s ``figures`` for ``--tensorboard``: a step's scalars into ``board``."""
+    rate = learning_rate_schedule(trainer.cfg)
+    length = family_of(cfg).reads(run.seq_len)
+    flops = cfg.flops_per_token(length) * run.batch_size * length
+    peak = topology.peak_bf16_flops * trainer.layout.mesh.size
+
+    def add(step: int, loss: float, grad_norm: float, seconds: float):
+        memory = jax.local_devices()[0].memory_stats() or {}  # none on the CPU
+        board.add(step, {"train/loss": loss, "train/grad_norm": grad_norm, "train/learning_rate": float(rate(step - 1)),
+                         "speed/tokens_per_s": run.batch_size * run.seq_len / seconds,
+                         "speed/mfu_estimate": flops / seconds / peak if peak else None,
+                         "memory/bytes_in_use": memory.get("bytes_in_use"), "memory/peak_bytes_in_use": memory.get("peak_bytes_in_use")})
+
+    return add
 
 
 def _report(run: RunConfig, topology: Topology, trainer: Trainer, strategy: Strategy, cfg, start: int, steps: _Steps,
@@ -700,29 +731,6 @@ def _grad_sync_report(trainer: Trainer) -> dict:
     if sync is None:
         return {"name": "exact", "axes": [], "bits": None}
     return {"name": sync.name, "axes": list(sync.axes), "bits": sync.bits}
-
-
-class _Progress:
-    """A one-line progress bar: step, loss, tokens/s, time left."""
-
-    def __init__(self, first: int, total: int, stream):
-        self.first, self.total, self.stream, self.start = first, total, stream, time.perf_counter()
-        self.live = hasattr(stream, "isatty") and stream.isatty()
-
-    def update(self, done: int, loss: float, tokens_per_s: float):
-        if not self.live and done % max(self.total // 10, 1) and done != self.total:
-            return  # in logs, print a line every 10% instead of redrawing
-        width = 30
-        filled = width * done // self.total
-        elapsed = time.perf_counter() - self.start
-        left = elapsed / (done - self.first) * (self.total - done)
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} loss {loss:.3f} {tokens_per_s:,.0f} tok/s {left:4.0f}s left"
-        self.stream.write(("\r" + line) if self.live else line + "\n")
-        self.stream.flush()
-
-    def close(self):
-        if self.live:
-            self.stream.write("\n")
 
 
 def write_json_atomically(path: str, payload: dict):

@@ -1,7 +1,8 @@
 """A user's own corpus and tokenizer (jaxpar.corpus, ``jaxpar train --data --tokenizer``): files
 written here in each format are read as their documents, tokenized once into a cache that a changed
 file invalidates, read through Grain exactly once per epoch whichever processes read which rows,
-and trained on with a tokenizer trained here; bad input is refused in words before any work."""
+and trained on with a tokenizer trained here (its figures in TensorBoard), then generated from;
+bad input is refused in words before any work."""
 import dataclasses
 import json
 import math
@@ -11,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import sentencepiece
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -135,8 +137,16 @@ def test_training_on_your_corpus_with_your_tokenizer_then_generating_text(files,
         path, size = tmp_path / "sp.model", 80
     run = RunConfig(model="tiny", strategy="fsdp=4,tensor=2", steps=6, batch_size=8, seq_len=32, seed=0,
                     data=f"{files}/records.jsonl,{files}/rows.parquet", data_field="body", tokenizer=str(path),
-                    eval_data=str(files / "notes.txt"), data_separator="\n\n")
+                    eval_data=str(files / "notes.txt"), data_separator="\n\n", tensorboard=str(tmp_path / "board"))
     report = run_training(run, load_topology("cpu-8"), progress=None, checkpoint=CheckpointConfig(str(tmp_path / "run"), every=6))
+    # TensorBoard's own reader finds every step's scalars, and the held-out loss at the end
+    board = EventAccumulator(str(tmp_path / "board"))
+    board.Reload()
+    scalars = {tag: [(e.step, e.value) for e in board.Scalars(tag)] for tag in board.Tags()["scalars"]}
+    assert scalars["train/loss"] == [(i + 1, pytest.approx(loss, rel=1e-6)) for i, loss in enumerate(report["losses"])]
+    assert [step for step, _ in scalars["train/learning_rate"]] == list(range(1, 7)) and scalars["train/learning_rate"][0][1] == 0.0
+    assert len(scalars["speed/tokens_per_s"]) == len(scalars["train/grad_norm"]) == 6
+    assert scalars["eval/held_out_loss"] == [(6, pytest.approx(report["held_out_loss"], rel=1e-6))]
     # the vocabulary follows the tokenizer, padded to a multiple of 128; the loss starts near
     # ln(vocabulary) and falls; the held-out loss is read from the other file
     padded = -(-size // 128) * 128

@@ -34,13 +34,17 @@ class TrainState(NamedTuple):
     step: jax.Array
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and cosine decay to 10%. (Clipping by the global gradient norm,
-    ``cfg.clip_norm``, is done by the step itself, where the gradient shards are reduced.)"""
-    schedule = optax.warmup_cosine_decay_schedule(
+def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """The learning rate by step: linear warm-up, then cosine decay to 10%."""
+    return optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1), cfg.learning_rate * 0.1
     )
-    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW at ``learning_rate_schedule``. (Clipping by the global gradient norm,
+    ``cfg.clip_norm``, is done by the step itself, where the gradient shards are reduced.)"""
+    return optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
 
 
 def abstract_model(model_fn: Callable[[nnx.Rngs], nnx.Module]):
