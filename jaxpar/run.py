@@ -28,7 +28,7 @@ import numpy as np
 from jaxpar import corpus, flags, parallel, runfile, scalars
 from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
-from jaxpar.models import FAMILIES, family_of, model_and_loss, model_config
+from jaxpar.models import FAMILIES, config_record, family_of, model_and_loss, model_config
 from jaxpar.models.family import Family
 from jaxpar.parallel import STRATEGIES, Strategy, build_layout, check_model, parse_strategy
 from jaxpar.parallel.stage import schedules
@@ -435,8 +435,6 @@ def _data_meta(run: RunConfig, own) -> dict:
     out = {"tokenizer": {"spec": os.path.abspath(tokenizer.spec) if tokenizer.kind != corpus.BYTES else corpus.BYTES,
                          "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size},
            "corpus": [os.path.basename(part.record["directory"]) for part in own]}
-    if tokenizer.kind != corpus.BYTES:  # the model's vocabulary is the tokenizer's, padded: a restore reads it here
-        out["vocab_size"] = run_model_config(run).vocab_size
     return out
 
 
@@ -547,7 +545,7 @@ def run_training(
         compiled = trainer.jit_step(plan.example).lower(state, plan.example).compile()
         meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": trainer.layout.mesh.size,
                 "processes": jax.process_count()}
-        meta.update(family.meta(cfg))  # what the sampler and a resume read (a BD3-LM's blocks and window)
+        meta.update(family.meta(cfg), **config_record(cfg))  # what the sampler and a resume read (a BD3-LM's blocks and window)
         meta.update(_data_meta(run, own), **({"run": record} if record is not None else {}))
         train, held, batch_of = _batches(run, trainer, cfg, tokens, held_out, own)
         board = scalars.TensorBoard(run.tensorboard) if (run.tensorboard and lead) else None

@@ -6,6 +6,8 @@ shapes (sizes, FLOPs, memory) takes either."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxpar.errors import JaxparError
 from jaxpar.models import bd3lm, llama, moe
 from jaxpar.models.family import Family
@@ -38,6 +40,23 @@ def model_config(name: str):
     if name not in CONFIGS:
         raise JaxparError(f"unknown model {name!r}; choose one of {', '.join(CONFIGS)}")
     return CONFIGS[name]
+
+
+def config_record(cfg) -> dict:
+    """What a checkpoint records of ``cfg`` so that ``config_of`` rebuilds it (a converted or a
+    re-tokenized model has a config no name gives)."""
+    return {"family": family_of(cfg).name, "model_config": dataclasses.asdict(cfg)}
+
+
+def config_of(meta: dict):
+    """The config of the model a checkpoint holds: from its ``config_record``, or (checkpoints
+    saved before it was kept) from its model's name."""
+    if "model_config" not in meta:
+        return model_config(meta["model"])
+    if meta.get("family") not in FAMILIES:
+        raise JaxparError(f"the checkpoint's model is of family {meta.get('family')!r}, which jaxpar does not know "
+                          f"(it knows {', '.join(FAMILIES)})")
+    return FAMILIES[meta["family"]].config_type(**meta["model_config"])
 
 
 def family_of(cfg) -> Family:

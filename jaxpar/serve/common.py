@@ -14,12 +14,11 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxpar.errors import JaxparError
 from jaxpar import corpus, models
-from jaxpar.models import family_of, model_and_loss, model_config
+from jaxpar.models import config_of, family_of, model_and_loss
 from jaxpar.parallel import compiler_options, serves_manually
 from jaxpar.rules import Layout, logical_names, use_layout
 from jaxpar.train import checkpoint as checkpoint_lib
@@ -233,9 +232,9 @@ def checkpoint_family(checkpoint_dir: str, step: int | None = None) -> str:
     try:
         for candidate in _steps_to_try(ckpt, checkpoint_dir, step):
             try:
-                model = ckpt.read_meta(candidate)["model"]
-                family = family_of(model_config(model)).name
-                check_decoder(family, model)
+                meta = ckpt.read_meta(candidate)
+                family = family_of(config_of(meta)).name
+                check_decoder(family, meta["model"])
                 return family
             except checkpoint_lib.CheckpointDamaged:
                 if step is not None or candidate == ckpt.steps()[0]:
@@ -277,10 +276,8 @@ def restore_model(checkpoint_dir: str, family: str, *, layout: Layout | None = N
 def _restore_step(ckpt, checkpoint_dir: str, step: int, family: str, layout: Layout | None, check_meta):
     """``restore_model`` of one step; raises CheckpointDamaged naming what is damaged."""
     meta = ckpt.read_meta(step)
-    cfg = model_config(meta["model"])
+    cfg = config_of(meta)
     cfg = family_of(cfg).saved(cfg, meta)
-    if "vocab_size" in meta:  # a run whose tokenizer set the model's vocabulary (run._with_tokenizer_vocabulary)
-        cfg = dataclasses.replace(cfg, vocab_size=meta["vocab_size"])
     if family_of(cfg).name != family:
         raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} holds {meta['model']!r}, a {family_of(cfg).words}; "
                           f"this generates from {family_words(family)}s")
@@ -291,22 +288,9 @@ def _restore_step(ckpt, checkpoint_dir: str, step: int, family: str, layout: Lay
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     where = (lambda var: one) if layout is None else (lambda var: compute_sharding(var, layout))
     shapes = map_weights(lambda var: jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=where(var)), abstract)
-    item = {"params": nnx.to_pure_dict(shapes)}
-    saved = {path: sig for path, sig in meta["arrays"].items() if path.startswith("params/")}
-    problem = checkpoint_lib.describe_mismatch(saved, checkpoint_lib.array_signature(item))
-    if problem:
-        raise JaxparError(f"checkpoint {step} in {checkpoint_dir!r} does not fit model {meta['model']!r}: {problem}")
-    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), item)
-    try:
-        restored = ckpt.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))["state"]
-    except Exception as err:  # noqa: BLE001 - truncated or missing array files surface as TensorStore errors
-        raise checkpoint_lib.CheckpointDamaged(step, f"its parameters cannot be read ({checkpoint_lib.first_line(err)})") from None
-    records = {path: meta["checksums"][path] for path in saved}
-    sums = checkpoint_lib.state_checksums(restored, {path: record["grid"] for path, record in records.items()})
-    checkpoint_lib.compare_checksums(step, records, sums)
+    restored = ckpt.restore_params(nnx.to_pure_dict(shapes), step)
     state = jax.tree.map(lambda v: v, abstract)
-    nnx.replace_by_pure_dict(state, restored["params"])
+    nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state), meta
 
 

@@ -499,6 +499,27 @@ class Checkpointer:
         self.verified.add(step)
         return state, meta
 
+    def restore_params(self, params, step: int):
+        """The parameters alone of checkpoint ``step``, laid out as ``params`` (a pure dict of
+        ShapeDtypeStructs with shardings) says, whatever else the checkpoint holds (an optimizer
+        state or none) and whatever layout saved them; each checked against its checksums
+        (CheckpointDamaged), a model they do not fit refused naming the arrays."""
+        meta = self.read_meta(step)
+        item = {"params": params}
+        saved = {path: sig for path, sig in meta["arrays"].items() if path.startswith("params/")}
+        problem = describe_mismatch(saved, array_signature(item))
+        if problem:
+            raise JaxparError(f"checkpoint {step} in {self.directory!r} does not fit model {meta.get('model')!r}: {problem}")
+        restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), item)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))["state"]
+        except Exception as err:  # noqa: BLE001 - truncated or missing array files surface as TensorStore errors
+            raise CheckpointDamaged(step, f"its parameters cannot be read ({first_line(err)})") from None
+        records = {path: meta["checksums"][path] for path in saved}
+        compare_checksums(step, records, state_checksums(restored, {path: record["grid"] for path, record in records.items()}))
+        return restored["params"]
+
     def restore_newest_verified(self, abstract_state, log=lambda msg: None, check_meta=None):
         """(state, meta) of the newest checkpoint that passes every check, moving newer damaged ones
         aside to ``<step>.damaged`` (so that the run can save those steps again) and saying so.
