@@ -464,6 +464,31 @@ def _checkpoints(args) -> int:
     return EXIT_OK if all(row["status"] == "verified" for row in rows if row["name"].isdigit()) else EXIT_FAILED
 
 
+def _convert_parser(sub, chosen: str | None):  # no config class: its options are its own
+    p = sub.add_parser("convert", help="Llama weights between the Hugging Face layout (config.json + safetensors) and a jaxpar "
+                                       "checkpoint (restorable under any layout; --init-from fine-tunes from it)")
+    way = p.add_mutually_exclusive_group(required=True)
+    way.add_argument("--from-hf", metavar="DIR", help="a Hugging Face Llama directory to read")
+    way.add_argument("--from", dest="from_checkpoint", metavar="CHECKPOINT_DIR", help="a jaxpar checkpoint directory to read")
+    p.add_argument("--to", metavar="CHECKPOINT_DIR", help="with --from-hf: the jaxpar checkpoint directory to write (empty)")
+    p.add_argument("--to-hf", metavar="DIR", help="with --from: the Hugging Face directory to write")
+    p.add_argument("--name", default="hf-llama", help="with --from-hf: the model's name in the checkpoint")
+    p.add_argument("--step", type=int, help="with --from: the checkpoint to write (default: the newest)")
+    return p
+
+
+def _convert(args) -> int:
+    one_way = (args.from_hf, args.to, args.to_hf is None) if args.from_hf else (args.from_checkpoint, args.to_hf, args.to is None)
+    if not all(one_way):
+        raise JaxparError("jaxpar convert reads one way: --from-hf DIR --to CHECKPOINT_DIR, or --from CHECKPOINT_DIR --to-hf DIR")
+    from jaxpar import hf
+
+    say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    done = hf.from_hf(args.from_hf, args.to, args.name, say) if args.from_hf else hf.to_hf(args.from_checkpoint, args.to_hf, args.step, say)
+    print(f"wrote {done['tensors']} tensors to {done['directory']}")
+    return EXIT_OK
+
+
 def _train(args) -> int:
     from jaxpar import launch
     from jaxpar.topology import load_topology
@@ -667,13 +692,13 @@ def _parser(chosen: str | None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command")
     for add in (_train_parser, _bench_parser, _compile_parser, _plan_parser, _launch_parser, _checkpoints_parser, _check_parser,
-                _generate_parser, _affinity_parser):
+                _generate_parser, _affinity_parser, _convert_parser):
         add(sub, chosen)
     return parser
 
 
 COMMANDS = {"train": _train, "bench": _bench, "compile": _compile, "plan": _plan, "launch": _launch, "checkpoints": _checkpoints,
-            "check": _check, "generate": _generate, "affinity": _affinity}
+            "check": _check, "generate": _generate, "affinity": _affinity, "convert": _convert}
 
 
 def main(argv=None) -> int:

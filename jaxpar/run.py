@@ -28,7 +28,7 @@ import numpy as np
 from jaxpar import corpus, flags, parallel, runfile, scalars
 from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
-from jaxpar.models import FAMILIES, config_record, family_of, model_and_loss, model_config
+from jaxpar.models import FAMILIES, config_of, config_record, family_of, model_and_loss, model_config
 from jaxpar.models.family import Family
 from jaxpar.parallel import STRATEGIES, Strategy, build_layout, check_model, parse_strategy
 from jaxpar.parallel.stage import schedules
@@ -88,12 +88,17 @@ class RunConfig:
     data_field: str = flags.flag("text", group="data", help="the field (JSON Lines) or column (Parquet) that holds the text")
     data_separator: str | None = flags.flag(None, group="data", help="split plain text files into documents where this occurs "
                                             "(e.g. a blank line: $'\\n\\n'); default: one document per file")
-    tokenizer: str = flags.flag("bytes", group="data", help="bytes (UTF-8 bytes, vocabulary 256), a Hugging Face tokenizer.json "
-                                "or a SentencePiece .model; the model's vocabulary follows it")
+    tokenizer: str | None = flags.flag(None, group="data", help="bytes (UTF-8 bytes, vocabulary 256; the default), a Hugging Face "
+                                       "tokenizer.json or a SentencePiece .model; the model's vocabulary follows it (with "
+                                       "--init-from: the checkpoint's tokenizer by default)")
     eval_data: str | None = flags.flag(None, group="data", help="held-out files (as --data); default: the last --eval-fraction "
                                        "of --data's documents")
     eval_fraction: float = flags.flag(0.05, group="data", help="with --data and no --eval-data: the documents held out")
     data_cache: str | None = flags.flag(None, group="data", help="where token caches go (default: .jaxpar-cache beside the data)")
+    # a checkpoint whose weights (and model config, and tokenizer) the run starts from
+    init_from: str | None = flags.flag(None, metavar="CHECKPOINT_DIR", help="start from the weights of this checkpoint's newest "
+                                       "step (a jaxpar run's, or jaxpar convert --from-hf's), its model and tokenizer, with a "
+                                       "fresh optimizer: fine-tuning (--model is then the checkpoint's)")
     # TensorBoard event files of every step's figures (jaxpar.scalars)
     tensorboard: str | None = flags.flag(None, metavar="DIR", help="write each step's loss, learning rate, gradient norm, tokens/s, "
                                          "MFU estimate and memory (and the held-out loss at the end) as TensorBoard scalars under DIR")
@@ -171,7 +176,7 @@ def run_model_config(run: RunConfig):
     """The config of the run's model with the options only its family takes (``--block-size`` and
     ``--window`` for block diffusion models: ``Family.configure``); refuses another family's
     options, and ``--packing`` for a family that does not pack documents."""
-    cfg = model_config(run.model)
+    cfg = config_of(init_meta(run)) if run.init_from else model_config(run.model)
     family = family_of(cfg)
     for other in FAMILIES.values():
         for option in other.options:
@@ -193,14 +198,50 @@ VOCAB_MULTIPLE = 128  # a padded vocabulary splits over any power-of-two tensor 
 def _with_tokenizer_vocabulary(run: RunConfig, cfg, family: Family):
     """The model's vocabulary set to the run's tokenizer's, padded to ``VOCAB_MULTIPLE`` (the
     padding's ids never occur in the data, so they are never a target; the sampler never draws
-    them). ``--tokenizer bytes`` keeps the model's own (every named config holds the 256 bytes)."""
-    if run.tokenizer == corpus.BYTES:
+    them). ``--tokenizer bytes`` keeps the model's own (every named config holds the 256 bytes);
+    a model from ``--init-from`` keeps its own, which must hold the tokenizer's ids."""
+    spec = tokenizer_spec(run)
+    size = lambda: 256 if spec == corpus.BYTES else corpus.load(spec).vocab_size  # noqa: E731
+    if run.init_from:
+        if size() > cfg.vocab_size:
+            raise JaxparError(f"--init-from {run.init_from}: its model has a vocabulary of {cfg.vocab_size} ids, and the "
+                              f"tokenizer ({spec}) gives ids up to {size() - 1}; pass the model's own tokenizer with --tokenizer")
+        return cfg
+    if spec == corpus.BYTES:
         return cfg
     if family.rows is not None or not hasattr(cfg, "vocab_size"):
-        raise JaxparError(f"--tokenizer {run.tokenizer} sets the vocabulary of next-token models (Llama, mixture of experts); "
+        raise JaxparError(f"--tokenizer {spec} sets the vocabulary of next-token models (Llama, mixture of experts); "
                           f"{run.model} is a {family.words}, which trains on byte tokens: drop --tokenizer")
-    size = corpus.load(run.tokenizer).vocab_size
-    return dataclasses.replace(cfg, vocab_size=-(-size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+    return dataclasses.replace(cfg, vocab_size=-(-size() // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+
+
+@functools.cache
+def _newest_meta(directory: str) -> dict:
+    ckpt = Checkpointer.existing(CheckpointConfig(directory))
+    try:
+        return ckpt.read_meta(ckpt.latest_step())
+    finally:
+        ckpt.close()
+
+
+def init_meta(run: RunConfig) -> dict:
+    """The meta of the newest checkpoint in ``--init-from`` (read once)."""
+    return _newest_meta(os.path.abspath(run.init_from))
+
+
+def model_name(run: RunConfig) -> str:
+    """The model's name: ``--model``, or that of the ``--init-from`` checkpoint."""
+    return init_meta(run)["model"] if run.init_from else run.model
+
+
+def tokenizer_spec(run: RunConfig) -> str:
+    """The run's tokenizer: ``--tokenizer``, else the ``--init-from`` checkpoint's, else bytes."""
+    if run.tokenizer is not None:
+        return run.tokenizer
+    if run.init_from:
+        identity = init_meta(run).get("tokenizer", {"identity": corpus.BYTES})["identity"]
+        return corpus.kept(run.init_from, identity).spec
+    return corpus.BYTES
 
 
 def _check_data_options(run: RunConfig):
@@ -209,6 +250,9 @@ def _check_data_options(run: RunConfig):
         for option, value in (("--eval-data", run.eval_data), ("--data-separator", run.data_separator), ("--data-cache", run.data_cache)):
             if value is not None:
                 raise JaxparError(f"{option} {value} reads your corpus, and no --data names one: add --data FILES, or drop {option}")
+        if tokenizer_spec(run) != corpus.BYTES:
+            raise JaxparError(f"the tokenizer {tokenizer_spec(run)} reads your corpus, and no --data names one (the built-in "
+                              f"corpus is UTF-8 bytes): add --data FILES")
     elif not 0.0 < run.eval_fraction < 1.0:
         raise JaxparError(f"--eval-fraction {run.eval_fraction} must be strictly between 0 and 1, e.g. 0.05")
 
@@ -218,7 +262,7 @@ def open_data(run: RunConfig, log) -> tuple[corpus.Corpus, corpus.Corpus] | None
     or None for the built-in corpus; the options that read files are refused without it."""
     if run.data is None:
         return None
-    tokenizer = corpus.load(run.tokenizer)
+    tokenizer = corpus.load(tokenizer_spec(run))
     read = dict(field=run.data_field, separator=run.data_separator, cache_root=run.data_cache, log=log)
     whole = corpus.open_corpus(run.data, tokenizer, **read)
     if run.eval_data is not None:
@@ -368,13 +412,13 @@ def check_same_function(run: RunConfig, cfg, strategy: Strategy, directory: str,
     (``Family.changed``: a BD3-LM's blocks or window), another function by a strategy
     (``changed`` of the strategies: delayed TP on or off). Reads only the checkpoint's meta."""
     where, afresh = f"checkpoint {meta['step']} in {directory}", "or choose another --checkpoint-dir to train afresh"
-    if meta.get("model") != run.model:
-        raise JaxparError(f"{where} holds model {meta.get('model')}, and this run is --model {run.model}: pass --model "
+    if meta.get("model") != model_name(run):
+        raise JaxparError(f"{where} holds model {meta.get('model')}, and this run is --model {model_name(run)}: pass --model "
                           f"{meta.get('model')} to resume it, {afresh}")
-    saved = meta.get("tokenizer", {"identity": corpus.BYTES, "spec": corpus.BYTES})
-    if run.tokenizer != saved["spec"] and corpus.load(run.tokenizer).identity != saved["identity"]:
+    saved, spec = meta.get("tokenizer", {"identity": corpus.BYTES, "spec": corpus.BYTES}), tokenizer_spec(run)
+    if spec != saved["spec"] and corpus.load(spec).identity != saved["identity"]:
         raise JaxparError(f"{where} was trained with --tokenizer {saved['spec']} ({saved['identity'][:30]}), and this run's "
-                          f"--tokenizer {run.tokenizer} is another: its ids would mean other text. Pass --tokenizer "
+                          f"--tokenizer {spec} is another: its ids would mean other text. Pass --tokenizer "
                           f"{saved['spec']}, {afresh}")
     family = family_of(cfg)
     why = family.changed(cfg, meta, {option: getattr(run, option) for option in family.options})
@@ -406,7 +450,7 @@ def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, re
                 f"checkpoint directory {ckpt.directory} already holds checkpoints {ckpt.steps()}; pass --resume to "
                 "continue from the latest, or choose another --checkpoint-dir (nothing there is overwritten)"
             )
-        return trainer.init(run.seed), 0, None
+        return _initial_state(trainer, run, log), 0, None
     # a damaged newest one is named and skipped; the one restored is checked against the run from
     # its meta first (check_meta: check_same_function), before any of its arrays is read
     state, meta = ckpt.restore_newest_verified(trainer.abstract_state(), log, check_meta)
@@ -421,6 +465,23 @@ def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, re
     return state, meta["step"], meta
 
 
+def _initial_state(trainer: Trainer, run: RunConfig, log):
+    """A fresh run's state: initialised by ``--seed``, its weights then replaced by those of the
+    ``--init-from`` checkpoint (read verified, laid out as this run stores them; the optimizer
+    state of AdamW starts at zeros whatever the weights)."""
+    state = trainer.init(run.seed)
+    if not run.init_from:
+        return state
+    ckpt = Checkpointer.existing(CheckpointConfig(run.init_from))
+    try:
+        step = ckpt.latest_step()
+        params = ckpt.restore_params(jax.tree.map(lambda s: s, trainer.abstract_state().params), step)
+    finally:
+        ckpt.close()
+    log(f"starting from the weights of checkpoint {step} in {run.init_from} ({init_meta(run)['model']})")
+    return state._replace(params=params)
+
+
 def _data_position(run: RunConfig, next_step: int) -> dict:
     return {"seed": run.seed, "batch_size": run.batch_size, "seq_len": run.seq_len, "next_step": next_step}
 
@@ -430,7 +491,9 @@ def _data_meta(run: RunConfig, own) -> dict:
     vocabulary: ``jaxpar generate`` decodes with it, a resume is checked against it) and the
     token caches the corpora were read from."""
     if own is None:
-        return {"tokenizer": {"spec": corpus.BYTES, "identity": corpus.BYTES, "vocab_size": 256}, "corpus": "built-in"}
+        tokenizer = corpus.load(tokenizer_spec(run))
+        return {"tokenizer": {"spec": tokenizer.spec, "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size},
+                "corpus": "built-in"}
     tokenizer = own[0].tokenizer
     out = {"tokenizer": {"spec": os.path.abspath(tokenizer.spec) if tokenizer.kind != corpus.BYTES else corpus.BYTES,
                          "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size},
@@ -543,7 +606,7 @@ def run_training(
         if on_start is not None:
             on_start()
         compiled = trainer.jit_step(plan.example).lower(state, plan.example).compile()
-        meta = {"model": run.model, "strategy": str(strategy), "topology": topology.name, "devices": trainer.layout.mesh.size,
+        meta = {"model": model_name(run), "strategy": str(strategy), "topology": topology.name, "devices": trainer.layout.mesh.size,
                 "processes": jax.process_count()}
         meta.update(family.meta(cfg), **config_record(cfg))  # what the sampler and a resume read (a BD3-LM's blocks and window)
         meta.update(_data_meta(run, own), **({"run": record} if record is not None else {}))
@@ -657,7 +720,7 @@ def _report(run: RunConfig, topology: Topology, trainer: Trainer, strategy: Stra
     steady = steps.times[1:] or steps.times or [float("nan")]
     flops = cfg.flops_per_token(model_length) * run.batch_size * model_length
     return {
-        "model": run.model,
+        "model": model_name(run),
         "num_params": cfg.num_params(),
         "topology": topology.name,
         "strategy": str(strategy),
