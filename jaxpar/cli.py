@@ -55,7 +55,7 @@ def _train_parser(sub, chosen: str | None):
 
     p.add_argument("--topology", default="cpu-8", help="a name from meshes/ or a path to a topology TOML file")
     p.add_argument("--config", metavar="RUN.toml", help="take options from a run file (key = value, each key an option's name; "
-                   "options given here override it), or from a run's run.toml or metrics JSON to repeat it")
+                   "options given here override it), or from a run's checkpoint directory or metrics JSON to repeat it")
     add_flags(p, RunConfig, "train")
     p.add_argument("--metrics-json", metavar="PATH", help="write per-step loss and time and the memory and communication report here")
     add_flags(p, TrainConfig, "train")  # its gradient sync options in their own group
@@ -554,6 +554,21 @@ def _command_options(chosen: str) -> dict:
     return runfile.options_of(commands.choices[chosen])
 
 
+def _checkpoint_record(directory: str) -> dict:
+    """The run record (``_record``) kept in the newest checkpoint of ``directory``."""
+    from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
+
+    ckpt = Checkpointer.existing(CheckpointConfig(directory))
+    try:
+        meta = ckpt.read_meta(ckpt.latest_step())
+    finally:
+        ckpt.close()
+    if "run" not in meta:
+        raise JaxparError(f"--config {directory}: its checkpoints keep no run record (saved before records were kept, or not by "
+                          f"jaxpar train); give a run file")
+    return meta["run"]
+
+
 def _record(args, chosen: str) -> dict:
     """The run's resolved options and, in ``recorded``, the versions it ran with (a run file)."""
     from importlib import metadata
@@ -718,7 +733,7 @@ def main(argv=None) -> int:
             if chosen == "train":  # a run file's options first: those given here override them
                 from jaxpar import runfile
 
-                argv = runfile.with_config(argv, _command_options(chosen))
+                argv = runfile.with_config(argv, _command_options(chosen), _checkpoint_record)
             status = COMMANDS[chosen](_parser(chosen).parse_args(argv))
         except JaxparError as err:  # bad input (2), or a job that ran and failed (JobFailed: 1)
             status, message = err.exit_status, str(err)

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar import corpus, flags, parallel, runfile, scalars
+from jaxpar import corpus, flags, parallel, scalars
 from jaxpar.errors import JaxparError, JobFailed, size_text
 from jaxpar.launch import report_progress
 from jaxpar.models import FAMILIES, config_of, config_record, family_of, model_and_loss, model_config
@@ -583,8 +583,7 @@ def run_training(
     process calls this; only process 0 prints.
 
     ``record``: the run's resolved options (``runfile.resolved``, with their ``recorded`` table),
-    kept in every checkpoint's meta and, as ``run.toml``, in the checkpoint directory: ``jaxpar
-    train --config`` of it repeats the run."""
+    kept in every checkpoint's meta: ``jaxpar train --config CHECKPOINT_DIR`` repeats the run."""
     check_run(run, checkpoint, resume)
     lead = jax.process_index() == 0
     log = (lambda msg: print(msg, file=progress, flush=True)) if (progress and lead) else (lambda msg: None)
@@ -598,9 +597,6 @@ def run_training(
     try:
         if ckpt is not None and own is not None:  # its checkpoints are read with it (jaxpar generate)
             corpus.keep(own[0].tokenizer, ckpt.directory)
-        if ckpt is not None and record is not None and lead:
-            options = {key: value for key, value in record.items() if key != runfile.RECORDED}
-            runfile.write(ckpt.directory, runfile.record_text(options, record.get(runfile.RECORDED, {})))
         check_meta = functools.partial(check_same_function, run, cfg, strategy, ckpt.directory) if ckpt else None
         state, start, resumed = _start_state(trainer, run, ckpt, resume, log, check_meta)
         if on_start is not None:

@@ -2,9 +2,10 @@
 
 Every option has a key of the same name (``batch-size`` or ``batch_size``); options given on the
 command line override the file's. A run's resolved record, every option with the value the run
-used plus jaxpar's and jax's versions, is written as such a file (``record_text``) into the
-checkpoint directory and into the metrics file, and ``--config`` of it repeats the run: the
-keys of its ``[recorded]`` table (versions, when) are not options and are only compared.
+used plus jaxpar's and jax's versions, is kept in each of its checkpoints and in its metrics file,
+and ``--config`` of either (the checkpoint directory, or the metrics JSON) repeats the run; the
+keys of its ``[recorded]`` table (versions, when) are not options. ``record_text`` writes a record
+as a run file to edit.
 
 Standard library only (``tomllib``): this sits low, under the command line that uses it.
 """
@@ -29,8 +30,13 @@ def options_of(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {s[2:]: a for a in parser._actions for s in a.option_strings if s.startswith("--") and s[2:] not in SKIP}
 
 
-def read(path: str) -> dict:
-    """The options in a run file: TOML, or the JSON metrics file of a run (its ``run`` record)."""
+def read(path: str, checkpoint_record=None) -> dict:
+    """The options in a run file: TOML, the JSON metrics file of a run (its ``run`` record), or
+    with ``checkpoint_record(directory)``, a checkpoint directory's newest record."""
+    if os.path.isdir(path) and checkpoint_record is not None:
+        values = dict(checkpoint_record(path))
+        values.pop(RECORDED, None)
+        return values
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -70,16 +76,16 @@ def as_argv(values: dict, options: dict[str, argparse.Action], path: str) -> lis
     return argv
 
 
-def with_config(argv: list[str], options: dict[str, argparse.Action]) -> list[str]:
-    """``argv`` with the options of its ``--config FILE`` put first after the command word, so
-    that those on the command line, which come later, override them."""
+def with_config(argv: list[str], options: dict[str, argparse.Action], checkpoint_record=None) -> list[str]:
+    """``argv`` with the options of its ``--config FILE`` (``read``) put first after the command
+    word, so that those on the command line, which come later, override them."""
     for i, word in enumerate(argv):
         if word == "--config" or word.startswith("--config="):
             path = word.split("=", 1)[1] if "=" in word else (argv[i + 1] if i + 1 < len(argv) else None)
             if not path:
                 raise JaxparError("--config needs a file: --config run.toml")
             first = next(k for k, w in enumerate(argv) if not w.startswith("-"))
-            return argv[:first + 1] + as_argv(read(path), options, path) + argv[first + 1:]
+            return argv[:first + 1] + as_argv(read(path, checkpoint_record), options, path) + argv[first + 1:]
     return argv
 
 
@@ -108,13 +114,3 @@ def _toml(value) -> str:
     if isinstance(value, int | float):
         return repr(value)
     return json.dumps(str(value), ensure_ascii=False)  # a JSON string is a TOML basic string
-
-
-def write(directory: str, text: str, name: str = "run.toml") -> str:
-    """Write ``text`` as ``directory/name``, whole or not at all; returns the path."""
-    path = os.path.join(directory, name)
-    part = path + ".part"
-    with open(part, "w") as f:
-        f.write(text)
-    os.replace(part, path)
-    return path

@@ -1,18 +1,20 @@
 """Run files (``jaxpar train --config``): a run file and the same options as flags parse to the
 same run, flags override the file, an unknown key is refused with the nearest option, and the
-record a run writes (checkpoint directory and metrics) repeats it bitwise."""
+record a run keeps (in its checkpoints and metrics) repeats it bitwise."""
 import json
 
+import jax
 import pytest
 
 from jaxpar import cli, runfile
+from jaxpar.train.checkpoint import load_arrays
 
 FLAGS = ["--strategy", "data=8", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--packing", "on", "--seed", "5"]
 
 
 def parsed(argv):
     options = cli._command_options("train")
-    args = vars(cli._parser("train").parse_args(runfile.with_config(argv, options)))
+    args = vars(cli._parser("train").parse_args(runfile.with_config(argv, options, cli._checkpoint_record)))
     args.pop("config")
     return args
 
@@ -42,12 +44,16 @@ def test_a_bad_run_file_is_refused_in_words(tmp_path, capsys, text, message):
 def test_the_recorded_run_repeats_bitwise(tmp_path, capsys):
     first, again = tmp_path / "first", tmp_path / "again"
     assert cli.main(["train", *FLAGS, "--checkpoint-dir", str(first), "--metrics-json", str(tmp_path / "first.json")]) == 0
-    record = runfile.read(str(first / "run.toml"))
+    record = load_arrays(str(first))[1]["run"]  # in every checkpoint's record
     assert record["seed"] == 5 and record["packing"] == "on" and record["topology"] == "cpu-8"
-    assert "jax = " in (first / "run.toml").read_text()  # the versions it ran with, in [recorded]
-    # the record repeats the run (into another directory), from run.toml or from the metrics file
-    assert cli.main(["train", "--config", str(first / "run.toml"), "--checkpoint-dir", str(again),
+    assert record["recorded"]["jax"] == jax.__version__  # the versions it ran with, in [recorded]
+    # the record repeats the run (into another directory), from the checkpoint directory or from
+    # the metrics file; written as a run file, it reads back as the same options
+    assert cli.main(["train", "--config", str(first), "--checkpoint-dir", str(again),
                      "--metrics-json", str(tmp_path / "again.json")]) == 0
     losses = [json.loads((tmp_path / f"{name}.json").read_text())["losses"] for name in ("first", "again")]
     assert losses[0] == losses[1] and len(losses[0]) == 3
     assert parsed(["train", "--config", str(tmp_path / "again.json")])["checkpoint_dir"] == str(again)
+    options = {key: value for key, value in record.items() if key != "recorded"}
+    (tmp_path / "run.toml").write_text(runfile.record_text(options, record["recorded"]))
+    assert parsed(["train", "--config", str(tmp_path / "run.toml")]) == parsed(["train", "--config", str(first)])
