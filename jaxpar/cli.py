@@ -521,7 +521,7 @@ def _train(args) -> int:
     if args.metrics_json:  # the report: about 3 KiB of settings and figures, and 75 bytes a step
         check_writable(args.metrics_json, "--metrics-json", room=8192 + 96 * run.steps)
     if args.dcp == "on":
-        return _train_dcp(args, topology)
+        return _train_dcp(args, topology, run)
     launch.initialize(dist, topology.platform)
     record = _record(args, "train")
     try:
@@ -608,11 +608,12 @@ def _partial_metrics(path: str | None, run, topology):
     return write
 
 
-def _train_dcp(args, topology) -> int:
-    """``jaxpar train --dcp on``: the main job's documents under data-centric parallel."""
-    from jaxpar.models import llama, model_config
+def _train_dcp(args, topology, run) -> int:
+    """``jaxpar train --dcp on``: the documents of the main job's corpus, or of ``--data``, under
+    data-centric parallel."""
+    from jaxpar.models import llama
     from jaxpar.train import data, dcp
-    from jaxpar.run import StopSignals, write_json_atomically
+    from jaxpar.run import StopSignals, open_data, run_model_config, write_json_atomically
     from jaxpar.train.step import TrainConfig
 
     # (the run's numbers were checked with the main job's: check_run)
@@ -621,14 +622,16 @@ def _train_dcp(args, topology) -> int:
         ("--context-algorithm", args.context_algorithm), ("--microbatches", args.microbatches != 1), ("--remat", args.remat != "none"),
         ("--grad-sync", args.grad_sync != "exact"), ("--grad-reduce-dtype", args.grad_reduce_dtype != "float32"),
         ("--schedule", args.schedule is not None), ("--chunks", args.chunks is not None), ("--skip-nonfinite", args.skip_nonfinite),
-        ("--block-size", args.block_size is not None), ("--window", args.window is not None)) if given]
+        ("--block-size", args.block_size is not None), ("--window", args.window is not None),
+        ("--init-from", args.init_from), ("--tensorboard", args.tensorboard)) if given]
     if ignored:
         raise JaxparError(f"--dcp on chooses the layout, accumulation and recomputation of every step itself (data and context "
                           f"over all devices, whole documents, one exact float32 gradient sum); drop {', '.join(ignored)}")
-    if model_config(args.model).__class__ is not llama.LlamaConfig:
+    cfg = run_model_config(run)  # the vocabulary follows --tokenizer
+    if type(cfg) is not llama.LlamaConfig:
         raise JaxparError(f"--dcp on trains a Llama on whole documents; --model {args.model} is not one: drop --dcp, or pick a Llama")
-    cfg = model_config(args.model)
-    docs = data.documents(data.split_corpus(data.corpus_tokens())[0])
+    own = open_data(run, lambda message: print(message, file=sys.stderr, flush=True))
+    docs = own[0].documents() if own else data.documents(data.split_corpus(data.corpus_tokens())[0])
     train_cfg = TrainConfig(learning_rate=args.learning_rate, warmup_steps=args.warmup_steps, total_steps=args.steps,
                             compute_dtype=args.compute_dtype, attention=args.attention)
     with StopSignals() as signals:  # SIGINT / SIGTERM stop the run at the next step boundary, as the main job's

@@ -116,12 +116,17 @@ DCP = ["-m", "jaxpar.cli", "train", "--dcp", "on", "--steps", str(STEPS), "--bat
 
 @pytest.mark.slow
 def test_signals_stop_a_dcp_run_at_a_step_boundary(tmp_path):
-    """`--dcp on` runs its own loop: a signal there also ends the step in progress, then the run."""
+    """`--dcp on` runs its own loop: a signal there also ends the step in progress, then the run.
+    One of the two reads a corpus of the user's (``--data``): 30 documents of 20 bytes each."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    runs = {name: subprocess.Popen([sys.executable, *DCP], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True) for name in STATUS}
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"document number {i:04d}"}) + "\n" for i in range(30)))
+    own = {"SIGINT": [], "SIGTERM": ["--data", str(tmp_path / "docs.jsonl")]}
+    runs = {name: subprocess.Popen([sys.executable, *DCP, *own[name]], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for name in STATUS}
+    first = {}
     for name, job in runs.items():  # once the first step has been logged, mid-run
-        assert any(line.startswith(f"step 1/{STEPS}:") for line in job.stdout), job.stderr.read()[-3000:]
+        first[name] = next((line for line in job.stdout if line.startswith(f"step 1/{STEPS}:")), None)
+        assert first[name], job.stderr.read()[-3000:]
         job.send_signal(getattr(signal, name))
     for name, job in runs.items():
         status, out, err = _wait(job), job.stdout.read(), job.stderr.read()
@@ -129,5 +134,7 @@ def test_signals_stop_a_dcp_run_at_a_step_boundary(tmp_path):
         stopped = re.fullmatch(rf"jaxpar train: interrupted by {name} after step (\d+) of {STEPS} \(--dcp on keeps no checkpoint\)",
                                err.strip().splitlines()[-1])
         assert stopped, err[-3000:]
+        if own[name]:  # its batches are the user's documents (20 bytes: 20 tokens each)
+            assert ", 2 documents of 20-20 tokens," in first[name], first[name]
         logged = [int(m) for m in re.findall(rf"^step (\d+)/{STEPS}:", out, flags=re.M)] or [1]
         assert int(stopped.group(1)) == max(logged)  # the last step logged is the one it stopped after

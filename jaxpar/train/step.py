@@ -307,16 +307,28 @@ class Trainer:
     def step_fn(self):
         """The un-jitted step: (state, batch) -> (state, metrics). A step whose loss or gradient
         norm is not finite leaves the weights and optimizer state as they were (``metrics["finite"]``
-        says which it was); ``step`` then raises or skips by ``cfg.nonfinite``."""
+        says which it was); ``step`` then raises or skips by ``cfg.nonfinite``.
+
+        With the old state donated the update runs under ``lax.cond``: a select of new or old
+        would keep the old state alive past the in-place update, so XLA copies every leaf first
+        (a Gemma-like model under data=8: 41 copies, temporaries 2.32 against 2.21 MB). Without
+        donation the select is cheaper: the new state goes to fresh output buffers that XLA also
+        lends to temporaries before they are written, which a cond's outputs never are."""
         grads_of = self.grad_fn()
+
+        def update(params, opt_state, grads):
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
 
         def step(state: TrainState, batch):
             loss, grad_norm, grads = grads_of(state.params, batch, state.step)
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
             finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-            params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
+            if self.cfg.donate:
+                params, opt_state = jax.lax.cond(finite, update, lambda p, o, g: (p, o), state.params, state.opt_state, grads)
+            else:
+                params, opt_state = update(state.params, state.opt_state, grads)
+                keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+                params, opt_state = jax.tree.map(keep, params, state.params), jax.tree.map(keep, opt_state, state.opt_state)
             metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
             return TrainState(params, opt_state, state.step + 1), metrics
 
