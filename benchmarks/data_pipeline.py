@@ -26,11 +26,13 @@ import sys
 import tempfile
 import time
 
-import numpy as np
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxpar import corpus
-from jaxpar.models import llama
-from jaxpar.train import data
+import numpy as np  # noqa: E402
+
+from jaxpar import corpus  # noqa: E402
+from jaxpar.models import llama  # noqa: E402
+from jaxpar.train import data  # noqa: E402
 
 
 def write_corpus(directory: str, megabytes: float) -> list[str]:
