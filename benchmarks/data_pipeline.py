@@ -128,7 +128,7 @@ def converting(directory: str):
     with open(os.path.join(source, hf.INDEX), "w") as f:
         json.dump({"weight_map": index}, f)
     with open(os.path.join(source, hf.CONFIG), "w") as f:
-        json.dump(dict(hf._hf_config(cfg), max_position_embeddings=2048, torch_dtype="bfloat16"), f)
+        json.dump(dict(hf.hf_config(cfg), max_position_embeddings=2048, torch_dtype="bfloat16"), f)
     size = sum(os.path.getsize(os.path.join(source, f)) for f in set(index.values()))
     params = sum(int(np.prod(s)) for s in shapes.values())
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

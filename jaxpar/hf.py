@@ -158,11 +158,11 @@ def from_hf(source: str, target: str, name: str = "hf-llama", log=lambda message
     meta = {"model": name, "strategy": f"fsdp={len(devices)}", "topology": "converted", "devices": len(devices), "processes": 1,
             **config_record(cfg), "data": {"seq_len": int(raw.get("max_position_embeddings", 2048))},
             "hf": {"source": os.path.abspath(source), "config": raw, "dtypes": dtypes, "files": sorted(set(files.values()))}}
-    meta.update(_tokenizer_meta(source, target))
     ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.CheckpointConfig(target, keep=1))
     try:
         if ckpt.latest_step() is not None:
             raise JaxparError(f"--to {target} already holds checkpoints {ckpt.steps()}; give an empty directory")
+        meta.update(_tokenizer_meta(source, target))
         ckpt.save(0, {"params": params}, meta)
         ckpt.wait()
     finally:
@@ -176,7 +176,6 @@ def _tokenizer_meta(source: str, target: str) -> dict:
     if not os.path.isfile(path):
         return {}
     tokenizer = corpus.load(path)
-    os.makedirs(target, exist_ok=True)
     corpus.keep(tokenizer, target)
     return {"tokenizer": {"spec": path, "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size}}
 
@@ -202,7 +201,7 @@ def to_hf(checkpoint_dir: str, target: str, step: int | None = None, log=lambda 
             out[name] = _back(_to_hf_shape(ours, stacked[i], cfg), dtypes.get(name))
     os.makedirs(target, exist_ok=True)
     save_file(out, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
-    config = dict(meta.get("hf", {}).get("config", {}), **_hf_config(cfg))
+    config = dict(meta.get("hf", {}).get("config", {}), **hf_config(cfg))
     with open(os.path.join(target, CONFIG), "w") as f:
         json.dump(config, f, indent=2)
     kept = glob.glob(os.path.join(checkpoint_dir, corpus.tokenizer.KEPT + ".json"))
@@ -231,7 +230,8 @@ def _back(value: np.ndarray, dtype: str | None) -> np.ndarray:
     return np.ascontiguousarray(value.astype(target))
 
 
-def _hf_config(cfg: llama.LlamaConfig) -> dict:
+def hf_config(cfg: llama.LlamaConfig) -> dict:
+    """The Hugging Face config.json of a jaxpar Llama config (``read_config``'s inverse)."""
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed,
             "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
             "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
