@@ -50,6 +50,7 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import gc
 import hashlib
 import json
 import logging
@@ -59,6 +60,7 @@ import shutil
 import socket
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -489,15 +491,26 @@ class Checkpointer:
                 f"checkpoint {step} in {self.directory} (model {meta.get('model')!r}) does not fit this model: {problem}\n"
                 "restore with the model and optimizer it was saved with, or start a new checkpoint directory"
             )
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
-        except Exception as err:  # noqa: BLE001 — truncated or missing array files surface as TensorStore errors
-            raise CheckpointDamaged(step, f"its arrays cannot be read ({first_line(err)})") from None
-        state = restored["state"]
+        state = self._read(step, "its arrays", ocp.args.StandardRestore(abstract_state))
         actual = state_checksums(state, {path: rec["grid"] for path, rec in meta["checksums"].items()})
         compare_checksums(step, meta["checksums"], actual)
         self.verified.add(step)
         return state, meta
+
+    def _read(self, step: int, what: str, args):
+        """Orbax's restore of checkpoint ``step``'s state with ``args``. Truncated or missing array
+        files surface as TensorStore errors: CheckpointDamaged says ``what`` cannot be read. A
+        failed read leaves orbax's coroutines unawaited; they are collected here, their warnings
+        dropped, so that the user sees the one message rather than a warning at some later time."""
+        failure = None
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+            try:
+                return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+            except Exception as err:  # noqa: BLE001
+                failure = first_line(err)
+            gc.collect()  # (outside the except block, which holds the failed read's frames)
+        raise CheckpointDamaged(step, f"{what} cannot be read ({failure})")
 
     def restore_params(self, params, step: int):
         """The parameters alone of checkpoint ``step``, laid out as ``params`` (a pure dict of
@@ -511,11 +524,7 @@ class Checkpointer:
         if problem:
             raise JaxparError(f"checkpoint {step} in {self.directory!r} does not fit model {meta.get('model')!r}: {problem}")
         restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), item)
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))["state"]
-        except Exception as err:  # noqa: BLE001 - truncated or missing array files surface as TensorStore errors
-            raise CheckpointDamaged(step, f"its parameters cannot be read ({first_line(err)})") from None
+        restored = self._read(step, "its parameters", ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
         records = {path: meta["checksums"][path] for path in saved}
         compare_checksums(step, records, state_checksums(restored, {path: record["grid"] for path, record in records.items()}))
         return restored["params"]
