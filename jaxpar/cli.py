@@ -556,13 +556,9 @@ def _command_options(chosen: str) -> dict:
 
 def _checkpoint_record(directory: str) -> dict:
     """The run record (``_record``) kept in the newest checkpoint of ``directory``."""
-    from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
+    from jaxpar.train.checkpoint import newest_meta
 
-    ckpt = Checkpointer.existing(CheckpointConfig(directory))
-    try:
-        meta = ckpt.read_meta(ckpt.latest_step())
-    finally:
-        ckpt.close()
+    meta = newest_meta(directory)
     if "run" not in meta:
         raise JaxparError(f"--config {directory}: its checkpoints keep no run record (saved before records were kept, or not by "
                           f"jaxpar train); give a run file")

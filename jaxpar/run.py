@@ -34,7 +34,7 @@ from jaxpar.parallel import STRATEGIES, Strategy, build_layout, check_model, par
 from jaxpar.parallel.stage import schedules
 from jaxpar.topology import Topology
 from jaxpar.train import data
-from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
+from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer, newest_meta
 from jaxpar.train.placement import BatchPlacement
 from jaxpar.train.plan import Plan, make_plan
 from jaxpar.train.state import learning_rate_schedule
@@ -215,18 +215,9 @@ def _with_tokenizer_vocabulary(run: RunConfig, cfg, family: Family):
     return dataclasses.replace(cfg, vocab_size=-(-size() // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
 
 
-@functools.cache
-def _newest_meta(directory: str) -> dict:
-    ckpt = Checkpointer.existing(CheckpointConfig(directory))
-    try:
-        return ckpt.read_meta(ckpt.latest_step())
-    finally:
-        ckpt.close()
-
-
 def init_meta(run: RunConfig) -> dict:
-    """The meta of the newest checkpoint in ``--init-from`` (read once)."""
-    return _newest_meta(os.path.abspath(run.init_from))
+    """The meta of the newest checkpoint in ``--init-from``."""
+    return newest_meta(run.init_from)
 
 
 def model_name(run: RunConfig) -> str:
@@ -253,8 +244,8 @@ def _check_data_options(run: RunConfig):
         if tokenizer_spec(run) != corpus.BYTES:
             raise JaxparError(f"the tokenizer {tokenizer_spec(run)} reads your corpus, and no --data names one (the built-in "
                               f"corpus is UTF-8 bytes): add --data FILES")
-    elif not 0.0 < run.eval_fraction < 1.0:
-        raise JaxparError(f"--eval-fraction {run.eval_fraction} must be strictly between 0 and 1, e.g. 0.05")
+    else:
+        corpus.check_fraction(run.eval_fraction)
 
 
 def open_data(run: RunConfig, log) -> tuple[corpus.Corpus, corpus.Corpus] | None:
@@ -441,8 +432,9 @@ def _open_checkpoints(trainer: Trainer, checkpoint: CheckpointConfig | None, res
     return ckpt
 
 
-def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, resume: str, log, check_meta):
-    """(state, first step, checkpoint meta or None) of a fresh run or of the checkpoint it resumes."""
+def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, resume: str, log, check_meta, corpus_now=None):
+    """(state, first step, checkpoint meta or None) of a fresh run or of the checkpoint it resumes;
+    ``corpus_now``: the run's ``_data_meta`` corpus, noted where it is not the checkpoint's."""
     latest = ckpt.latest_step() if ckpt else None
     if latest is None or resume == "never":
         if latest is not None:
@@ -459,6 +451,8 @@ def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, re
                           f"{run.steps} asks for no more; nothing was trained or deleted: pass --steps above {meta['step']} to train on")
     saved = meta["data"]
     changed = [f"{k} {saved[k]} -> {v}" for k, v in _data_position(run, 0).items() if k != "next_step" and saved[k] != v]
+    if corpus_now is not None and meta.get("corpus", corpus_now) != corpus_now:
+        changed.append(f"corpus {meta['corpus']} -> {corpus_now}")
     if changed:
         log(f"note: resuming with other data settings ({', '.join(changed)}): later batches differ from the original run's")
     log(f"resuming from checkpoint {meta['step']} in {ckpt.directory} (saved under {meta['strategy']} on {meta['devices']} devices)")
@@ -466,20 +460,18 @@ def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, re
 
 
 def _initial_state(trainer: Trainer, run: RunConfig, log):
-    """A fresh run's state: initialised by ``--seed``, its weights then replaced by those of the
-    ``--init-from`` checkpoint (read verified, laid out as this run stores them; the optimizer
-    state of AdamW starts at zeros whatever the weights)."""
-    state = trainer.init(run.seed)
+    """A fresh run's state: initialised by ``--seed``, or the weights of the ``--init-from``
+    checkpoint (read verified, laid out as this run stores them) with a fresh optimizer state."""
     if not run.init_from:
-        return state
+        return trainer.init(run.seed)
     ckpt = Checkpointer.existing(CheckpointConfig(run.init_from))
     try:
         step = ckpt.latest_step()
-        params = ckpt.restore_params(jax.tree.map(lambda s: s, trainer.abstract_state().params), step)
+        params = ckpt.restore_params(trainer.abstract_state().params, step)
     finally:
         ckpt.close()
     log(f"starting from the weights of checkpoint {step} in {run.init_from} ({init_meta(run)['model']})")
-    return state._replace(params=params)
+    return trainer.start_from(params)
 
 
 def _data_position(run: RunConfig, next_step: int) -> dict:
@@ -495,10 +487,9 @@ def _data_meta(run: RunConfig, own) -> dict:
         return {"tokenizer": {"spec": tokenizer.spec, "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size},
                 "corpus": "built-in"}
     tokenizer = own[0].tokenizer
-    out = {"tokenizer": {"spec": os.path.abspath(tokenizer.spec) if tokenizer.kind != corpus.BYTES else corpus.BYTES,
-                         "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size},
-           "corpus": [os.path.basename(part.record["directory"]) for part in own]}
-    return out
+    return {"tokenizer": {"spec": os.path.abspath(tokenizer.spec) if tokenizer.kind != corpus.BYTES else corpus.BYTES,
+                          "identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size},
+            "corpus": [os.path.basename(part.record["directory"]) for part in own]}
 
 
 def rows_at(run: RunConfig, cfg):
@@ -593,19 +584,20 @@ def run_training(
     tokens, held_out = data.split_corpus(data.corpus_tokens()) if own is None else (None, None)
     if own is None and run.seq_len >= len(held_out):
         raise JaxparError(f"--seq-len {run.seq_len} is longer than the held-out text ({len(held_out)} tokens); use a shorter one")
-    ckpt = _open_checkpoints(trainer, checkpoint, resume)
+    ckpt, board = _open_checkpoints(trainer, checkpoint, resume), None
     try:
         if ckpt is not None and own is not None:  # its checkpoints are read with it (jaxpar generate)
             corpus.keep(own[0].tokenizer, ckpt.directory)
         check_meta = functools.partial(check_same_function, run, cfg, strategy, ckpt.directory) if ckpt else None
-        state, start, resumed = _start_state(trainer, run, ckpt, resume, log, check_meta)
+        data_meta = _data_meta(run, own)
+        state, start, resumed = _start_state(trainer, run, ckpt, resume, log, check_meta, data_meta["corpus"])
         if on_start is not None:
             on_start()
         compiled = trainer.jit_step(plan.example).lower(state, plan.example).compile()
         meta = {"model": model_name(run), "strategy": str(strategy), "topology": topology.name, "devices": trainer.layout.mesh.size,
                 "processes": jax.process_count()}
         meta.update(family.meta(cfg), **config_record(cfg))  # what the sampler and a resume read (a BD3-LM's blocks and window)
-        meta.update(_data_meta(run, own), **({"run": record} if record is not None else {}))
+        meta.update(data_meta, **({"run": record} if record is not None else {}))
         train, held, batch_of = _batches(run, trainer, cfg, tokens, held_out, own)
         board = scalars.TensorBoard(run.tensorboard) if (run.tensorboard and lead) else None
         figures = _figures(run, trainer, cfg, topology, board) if board else None
@@ -615,6 +607,8 @@ def run_training(
         if ckpt is not None:  # the lock goes (a save that failed was reported already)
             with contextlib.suppress(Exception):
                 ckpt.close()
+        if board is not None:  # what was written stays readable
+            board.close()
         raise
     report_progress("evaluating", steps.done)
     held_out_loss, batch_report = None, {}

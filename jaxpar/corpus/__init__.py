@@ -8,10 +8,10 @@ anything is compiled, so bad input is refused first.
 from __future__ import annotations
 
 from jaxpar.corpus import cache, sources
-from jaxpar.corpus.pipeline import Corpus, PackedRows, Windows
+from jaxpar.corpus.pipeline import Corpus, PackedRows, Windows, check_fraction
 from jaxpar.corpus.tokenizer import BYTES, Tokenizer, keep, kept, load
 
-__all__ = ["BYTES", "Corpus", "PackedRows", "Tokenizer", "Windows", "keep", "kept", "load", "open_corpus"]
+__all__ = ["BYTES", "Corpus", "PackedRows", "Tokenizer", "Windows", "check_fraction", "keep", "kept", "load", "open_corpus"]
 
 
 def open_corpus(spec: str, tokenizer: Tokenizer, field: str = "text", separator: str | None = None,

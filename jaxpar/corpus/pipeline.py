@@ -25,6 +25,12 @@ from jaxpar.corpus.tokenizer import Tokenizer
 from jaxpar.errors import JaxparError
 
 
+def check_fraction(fraction: float):
+    """Refuse a held-out fraction of the documents that leaves none out, or none to train on."""
+    if not 0.0 < fraction < 1.0:
+        raise JaxparError(f"--eval-fraction {fraction} must be strictly between 0 and 1, e.g. 0.05")
+
+
 @dataclasses.dataclass(frozen=True)
 class Corpus:
     """A tokenized corpus: the token stream, each document's (start, stop) in it, its tokenizer and
@@ -37,8 +43,7 @@ class Corpus:
 
     def split(self, fraction: float) -> tuple["Corpus", "Corpus"]:
         """(training, held-out): the held-out part is the last ``fraction`` of the documents."""
-        if not 0.0 < fraction < 1.0:
-            raise JaxparError(f"--eval-fraction {fraction} must be strictly between 0 and 1, e.g. 0.05")
+        check_fraction(fraction)
         held = max(1, round(len(self.bounds) * fraction))
         if held >= len(self.bounds):
             raise JaxparError(f"the corpus has {len(self.bounds)} documents: too few to hold out {fraction:.0%} and train on the "
@@ -82,7 +87,7 @@ class PackedRows:
     def __init__(self, corpus: Corpus, seq_len: int, batch_size: int, seed: int):
         self.corpus, self.seq_len, self.batch_size = corpus, seq_len, batch_size
         pieces = [(a, min(a + seq_len + 1, b)) for a, b in corpus.bounds for a in range(int(a), int(b) - 1, seq_len)]
-        self.rows_of = _first_fit([b - a for a, b in pieces], seq_len)
+        self.rows_of = _best_fit([b - a for a, b in pieces], seq_len)
         self.pieces = pieces
         self.real = np.asarray([sum(pieces[p][1] - pieces[p][0] - 1 for p in row) for row in self.rows_of])
         if len(self.rows_of) < batch_size:
@@ -108,7 +113,7 @@ class PackedRows:
         return out
 
 
-def _first_fit(lengths: list[int], seq_len: int) -> list[list[int]]:
+def _best_fit(lengths: list[int], seq_len: int) -> list[list[int]]:
     """Pieces (of n tokens, n - 1 predictions) into rows of ``seq_len`` predictions: longest
     first, each into the fullest row with room (best fit; a sorted list of rooms, so a corpus of
     millions of documents packs in n log n)."""

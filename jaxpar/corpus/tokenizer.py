@@ -18,6 +18,7 @@ import tempfile
 from jaxpar.errors import JaxparError
 
 BYTES = "bytes"
+BLANK_LINE = (10, 10)  # UTF-8 "\n\n": what separates two documents of a byte stream
 KEPT = "tokenizer"  # a checkpoint directory keeps its run's tokenizer file under this name (+ .json or .model)
 
 
@@ -45,7 +46,7 @@ class Tokenizer:
 
     def between_documents(self) -> list[int]:
         """The ids joined between two documents in a token stream."""
-        return [10, 10] if self.kind == BYTES else ([] if self.end_id is None else [self.end_id])
+        return list(BLANK_LINE) if self.kind == BYTES else ([] if self.end_id is None else [self.end_id])
 
 
 def load(spec: str) -> Tokenizer:

@@ -603,6 +603,15 @@ def _verified_host_arrays(ckpt: Checkpointer, step: int) -> tuple[dict, dict]:
     return arrays, meta
 
 
+def newest_meta(directory: str) -> dict:
+    """The meta of the newest checkpoint in ``directory`` (only its JSON is read)."""
+    ckpt = Checkpointer.existing(CheckpointConfig(directory))
+    try:
+        return ckpt.read_meta(ckpt.latest_step())
+    finally:
+        ckpt.close()
+
+
 def load_arrays(directory: str, step: int | None = None) -> tuple[dict, dict]:
     """({path: numpy array}, meta) of a checkpoint, read whole on this host and verified: for
     inspection and tests, whatever layout or process count saved it."""

@@ -24,6 +24,7 @@ import inspect
 
 import numpy as np
 
+from jaxpar.corpus.tokenizer import BLANK_LINE
 from jaxpar.errors import JaxparError
 
 VOCAB_SIZE = 256
@@ -159,7 +160,7 @@ def local_batch_at(
 
 # --- packed documents ------------------------------------------------------------------------------
 
-SEPARATOR = (10, 10)  # the blank line between two documents of the corpus
+SEPARATOR = BLANK_LINE  # the blank line between two documents of the corpus
 
 
 def documents(tokens: np.ndarray) -> list[np.ndarray]:

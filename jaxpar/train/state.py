@@ -131,10 +131,12 @@ class ShardedState:
 
     def init(self, seed: int = 0) -> TrainState:
         """Sharded parameters and optimizer state; the same seed gives the same values on any layout."""
-        init_params, init_opt = self.init_programs()
-        params = init_params(jax.random.key(seed))
+        return self.start_from(self.init_programs()[0](jax.random.key(seed)))
+
+    def start_from(self, params) -> TrainState:
+        """Step 0 with these parameters (laid out as the state's) and a fresh optimizer state."""
         step = jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step)
-        return TrainState(params, init_opt(params), step)
+        return TrainState(params, self.init_programs()[1](params), step)
 
     def init_programs(self):
         """The compiled initialisers of the parameters (from a key) and of the optimizer state

@@ -78,6 +78,7 @@ class Trainer:
     grad_specs_by_param = _Part("sharded_state")
     state_shardings = _Part("sharded_state")
     init = _Part("sharded_state")
+    start_from = _Part("sharded_state")
     init_programs = _Part("sharded_state")
     abstract_state = _Part("sharded_state")
     init_shapes = _Part("sharded_state")
