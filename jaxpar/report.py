@@ -99,7 +99,9 @@ def format_summary(report: dict) -> str:
     if report["interrupted"]:
         lines.append(interruption_message(report))
     else:
-        lines.append(f"held-out loss {report['held_out_loss']:.4f}")
+        series = report.get("held_out_losses") or []
+        along = f" (on the way: {', '.join(f'step {s} {loss:.4f}' for s, loss in series[-6:])})" if series else ""
+        lines.append(f"held-out loss {report['held_out_loss']:.4f}{along}")
     lines += [
         f"throughput {report['tokens_per_s']:,.0f} tokens/s (median step; compile excluded)",
         "",

@@ -94,6 +94,8 @@ class RunConfig:
     eval_data: str | None = flags.flag(None, group="data", help="held-out files (as --data); default: the last --eval-fraction "
                                        "of --data's documents")
     eval_fraction: float = flags.flag(0.05, group="data", help="with --data and no --eval-data: the documents held out")
+    eval_every: int = flags.flag(0, group="data", metavar="N", help="the held-out loss every N steps as well as at the end (0: at the end only); "
+                                 "on the same held-out batch each time, in the report, the log and --tensorboard")
     data_cache: str | None = flags.flag(None, group="data", help="where token caches go (default: .jaxpar-cache beside the data)")
     # a checkpoint whose weights (and model config, and tokenizer) the run starts from
     init_from: str | None = flags.flag(None, metavar="CHECKPOINT_DIR", help="start from the weights of this checkpoint's newest "
@@ -149,6 +151,7 @@ def check_run(run: RunConfig, checkpoint: CheckpointConfig | None = None, resume
     ):
         check_at_least(flag, value, 1)
     check_at_least("--warmup-steps", run.train.warmup_steps, 0)
+    check_at_least("--eval-every", run.eval_every, 0, " (0: the held-out loss at the end only)")
     schedules.check_chunks(run.train.schedule, run.train.chunks)
     if not 0 <= run.seed < 2**63:  # it seeds jax.random.key and numpy's generator, which take no negative seed
         raise JaxparError(f"--seed {run.seed} must be a whole number from 0 to 2**63-1; pass e.g. --seed 0")
@@ -544,6 +547,7 @@ class _Steps:
     nonfinite: dict | None = None  # the first step whose loss or gradient norm is NaN or infinite
     skipped: list = dataclasses.field(default_factory=list)  # steps whose update was dropped (not finite)
     interrupted: str | None = None  # "SIGINT" or "SIGTERM"
+    held_out: list = dataclasses.field(default_factory=list)  # [step, held-out loss] every --eval-every steps
 
 
 def run_training(
@@ -601,8 +605,9 @@ def run_training(
         train, held, batch_of = _batches(run, trainer, cfg, tokens, held_out, own)
         board = scalars.TensorBoard(run.tensorboard) if (run.tensorboard and lead) else None
         figures = _figures(run, trainer, cfg, topology, board) if board else None
+        evaluate = _evaluator(trainer, plan.example, state, batch_of(held, 0)) if run.eval_every else None
         state, steps = _train_steps(run, trainer, compiled, state, start, resumed, lambda step: batch_of(train, step), ckpt, meta,
-                                    progress if lead else None, catch_signals, figures)
+                                    progress if lead else None, catch_signals, figures, evaluate)
     except BaseException:
         if ckpt is not None:  # the lock goes (a save that failed was reported already)
             with contextlib.suppress(Exception):
@@ -621,21 +626,29 @@ def run_training(
         # more call of it on a held-out batch, whose updated state is dropped, costs no compile
         held_out_loss = _scalar(compiled(state, batch_of(held, 0))[1]["loss"])
     if board:
-        board.add(steps.done, {"eval/held_out_loss": held_out_loss})
+        if not steps.held_out or steps.held_out[-1][0] != steps.done:  # (--eval-every wrote this step's already)
+            board.add(steps.done, {"eval/held_out_loss": held_out_loss})
         board.close()
     model_length = family.reads(run.seq_len)  # a block diffusion model reads [x_t ; x_0]
     analysis = dict(analyze(trainer, compiled, strategy, cfg, (run.batch_size, model_length)) if analyze else {}, **batch_report)
     return _report(run, topology, trainer, strategy, cfg, start, steps, held_out_loss, model_length, analysis, ckpt)
 
 
+def _evaluator(trainer: Trainer, example, state, batch):
+    """``evaluate(params)``: the held-out loss on ``batch`` (one compile, made here, before training)."""
+    compiled = trainer.jit_loss(example).lower(state.params, batch).compile()
+    return lambda params: _scalar(compiled(params, batch))
+
+
 def _train_steps(run: RunConfig, trainer: Trainer, compiled, state, start: int, resumed: dict | None, batch_at, ckpt,
-                 meta: dict, progress, catch_signals: bool, figures=None):
+                 meta: dict, progress, catch_signals: bool, figures=None, evaluate=None):
     """(state, _Steps): the steps from ``start`` to ``run.steps``, saving as ``ckpt`` says, stopped
     at a step boundary by SIGINT or SIGTERM (``StopSignals``) or by a non-finite step;
-    ``figures(step, loss, gradient norm, seconds)`` after each (``--tensorboard``)."""
+    ``figures(step, loss, gradient norm, seconds, held-out loss or None)`` after each
+    (``--tensorboard``); ``evaluate(params)`` every ``run.eval_every`` steps."""
     history = (resumed or {}).get("history", {"losses": [], "grad_norms": [], "step_times_s": []})  # checkpoints saved before they were kept hold none
     steps = _Steps(*(list(history[k]) for k in ("losses", "grad_norms", "step_times_s")), done=start,
-                   first_loss_step=start - len(history["losses"]) + 1)
+                   first_loss_step=start - len(history["losses"]) + 1, held_out=list(history.get("held_out", [])))
     bar = scalars.Progress(start, run.steps, progress) if (progress and start < run.steps) else None
     catch = catch_signals and jax.process_count() == 1 and threading.current_thread() is threading.main_thread()
     with StopSignals(catch) as stop:
@@ -667,13 +680,18 @@ def _train_steps(run: RunConfig, trainer: Trainer, compiled, state, start: int, 
                 if trainer.cfg.nonfinite == "stop":
                     break  # the report says where and why; the CLI exits 1
             report_progress("done", done)
+            held_out = evaluate(state.params) if evaluate and done % run.eval_every == 0 else None
+            if held_out is not None:
+                steps.held_out.append([done, held_out])
             if bar:
-                bar.update(done, f"loss {loss:.3f} {run.batch_size * run.seq_len / steps.times[-1]:,.0f} tok/s")
+                bar.update(done, f"loss {loss:.3f} {run.batch_size * run.seq_len / steps.times[-1]:,.0f} tok/s"
+                           + (f" held-out {held_out:.3f}" if held_out is not None else ""), always=held_out is not None)
             if figures:
-                figures(done, loss, grad_norm, steps.times[-1])
+                figures(done, loss, grad_norm, steps.times[-1], held_out)
             if ckpt and (ckpt.should_save(done, run.steps) or stop.name):
                 began = time.perf_counter()
-                so_far = {"losses": list(steps.losses), "grad_norms": list(steps.grad_norms), "step_times_s": list(steps.times)}  # copies: saving goes on behind
+                so_far = {"losses": list(steps.losses), "grad_norms": list(steps.grad_norms), "step_times_s": list(steps.times),
+                          "held_out": list(steps.held_out)}  # copies: saving goes on behind
                 ckpt.save(done, state, dict(meta, data=_data_position(run, done), history=so_far))
                 steps.save_pauses.append(time.perf_counter() - began)  # training waits this long; the writing goes on behind
             if stop.name:
@@ -694,9 +712,10 @@ def _figures(run: RunConfig, trainer: Trainer, cfg, topology: Topology, board: s
     flops = cfg.flops_per_token(length) * run.batch_size * length
     peak = topology.peak_bf16_flops * trainer.layout.mesh.size
 
-    def add(step: int, loss: float, grad_norm: float, seconds: float):
+    def add(step: int, loss: float, grad_norm: float, seconds: float, held_out: float | None = None):
         memory = jax.local_devices()[0].memory_stats() or {}  # none on the CPU
-        board.add(step, {"train/loss": loss, "train/grad_norm": grad_norm, "train/learning_rate": float(rate(step - 1)),
+        board.add(step, {"train/loss": loss, "eval/held_out_loss": held_out, "train/grad_norm": grad_norm,
+                         "train/learning_rate": float(rate(step - 1)),
                          "speed/tokens_per_s": run.batch_size * run.seq_len / seconds,
                          "speed/mfu_estimate": flops / seconds / peak if peak else None,
                          "memory/bytes_in_use": memory.get("bytes_in_use"), "memory/peak_bytes_in_use": memory.get("peak_bytes_in_use")})
@@ -733,6 +752,7 @@ def _report(run: RunConfig, topology: Topology, trainer: Trainer, strategy: Stra
         "grad_sync": _grad_sync_report(trainer),
         "step_times_s": steps.times,
         "held_out_loss": held_out_loss,
+        "held_out_losses": steps.held_out,  # [step, loss] every --eval-every steps
         "tokens_per_s": run.batch_size * run.seq_len / float(np.median(steady)),
         "model_flops_per_s": flops / float(np.median(steady)),
         **analysis,

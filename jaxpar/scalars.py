@@ -45,11 +45,12 @@ class Progress:
             self.task = self.bar.add_task(what, total=total, completed=first, status="")
             self.bar.start()
 
-    def update(self, done: int, status: str):
+    def update(self, done: int, status: str, always: bool = False):
+        """``always``: a line in a log even between the 10% marks (a held-out loss)."""
         if self.bar is not None:
             self.bar.update(self.task, completed=done, status=status)
             return
-        if done % max(self.total // 10, 1) and done != self.total:
+        if done % max(self.total // 10, 1) and done != self.total and not always:
             return
         left = (time.perf_counter() - self.start) / (done - self.first) * (self.total - done)
         self.stream.write(f"{done}/{self.total} {status} {left:4.0f}s left\n")

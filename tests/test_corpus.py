@@ -19,7 +19,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from jaxpar import corpus
 from jaxpar.errors import JaxparError
 from jaxpar.models import llama
-from jaxpar.run import RunConfig, check_same_function, run_training
+from jaxpar.run import RunConfig, check_same_function, open_data, run_training
+from jaxpar.serve.common import restore_model
 from jaxpar.serve.llama import generate_from_checkpoint
 from jaxpar.train.checkpoint import CheckpointConfig
 from jaxpar.topology import load_topology
@@ -137,8 +138,8 @@ def test_training_on_your_corpus_with_your_tokenizer_then_generating_text(files,
         path, size = tmp_path / "sp.model", 80
     run = RunConfig(model="tiny", strategy="fsdp=4,tensor=2", steps=6, batch_size=8, seq_len=32, seed=0,
                     data=f"{files}/records.jsonl,{files}/rows.parquet", data_field="body", tokenizer=str(path),
-                    eval_data=str(files / "notes.txt"), data_separator="\n\n", tensorboard=str(tmp_path / "board"))
-    report = run_training(run, load_topology("cpu-8"), progress=None, checkpoint=CheckpointConfig(str(tmp_path / "run"), every=6))
+                    eval_data=str(files / "notes.txt"), data_separator="\n\n", tensorboard=str(tmp_path / "board"), eval_every=3)
+    report = run_training(run, load_topology("cpu-8"), progress=None, checkpoint=CheckpointConfig(str(tmp_path / "run"), every=3))
     # TensorBoard's own reader finds every step's scalars, and the held-out loss at the end
     board = EventAccumulator(str(tmp_path / "board"))
     board.Reload()
@@ -146,7 +147,14 @@ def test_training_on_your_corpus_with_your_tokenizer_then_generating_text(files,
     assert scalars["train/loss"] == [(i + 1, pytest.approx(loss, rel=1e-6)) for i, loss in enumerate(report["losses"])]
     assert [step for step, _ in scalars["train/learning_rate"]] == list(range(1, 7)) and scalars["train/learning_rate"][0][1] == 0.0
     assert len(scalars["speed/tokens_per_s"]) == len(scalars["train/grad_norm"]) == 6
-    assert scalars["eval/held_out_loss"] == [(6, pytest.approx(report["held_out_loss"], rel=1e-6))]
+    # the held-out loss every 3 steps: at step 3 it is the loss of checkpoint 3's weights on one
+    # device on the held-out batch; at step 6, the end's (computed by the step itself)
+    _, held = open_data(run, print)
+    rows = corpus.Windows(held, run.seq_len, run.batch_size, run.seed).rows(0, 0, run.batch_size)
+    model, _ = restore_model(str(tmp_path / "run"), "llama", step=3)
+    at_3 = pytest.approx(float(llama.loss_fn(model, rows)), rel=1e-5)
+    assert report["held_out_losses"] == [[3, at_3], [6, pytest.approx(report["held_out_loss"], rel=1e-6)]]
+    assert scalars["eval/held_out_loss"] == [(3, at_3), (6, pytest.approx(report["held_out_loss"], rel=1e-6))]
     # the vocabulary follows the tokenizer, padded to a multiple of 128; the loss starts near
     # ln(vocabulary) and falls; the held-out loss is read from the other file
     padded = -(-size // 128) * 128

@@ -345,6 +345,17 @@ class Trainer:
             compiler_options=self.plan.compiler_options,
         )
 
+    def jit_loss(self, batch_example):
+        """(params, batch) -> the loss the step would report on ``batch``, with nothing updated or
+        donated: a held-out loss between steps (``jaxpar train --eval-every``). It is the step's
+        own loss computation under the layout (the gradients it also makes are dropped, and XLA
+        removes what only they needed), so it is exact wherever the step is."""
+        grads_of = self.grad_fn()
+        replicated = NamedSharding(self.layout.mesh, PartitionSpec())
+        return jax.jit(lambda params, batch: grads_of(params, batch)[0], out_shardings=replicated,
+                       in_shardings=(self.state_shardings.params, self.batch_sharding(batch_example)),
+                       compiler_options=self.plan.compiler_options)
+
     def step(self, state: TrainState, batch):
         """One optimizer step (compiled on first use). Raises ``NonFiniteStep`` (carrying the
         state, unchanged by that step) when the loss or gradient norm is NaN or infinite, unless
