@@ -74,22 +74,24 @@ POD_DEFAULTS = TrainConfig(compute_dtype="bfloat16", remat="full")
 
 def compile_report(model, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, cfg: TrainConfig = POD_DEFAULTS,
                    alternatives: int = 3, dump_hlo: str | os.PathLike | None = None, explicit: frozenset[str] = frozenset(),
-                   **family_options) -> dict:
+                   **run_options) -> dict:
     """Compile the training step for ``topology`` and report fit, traffic, cost and estimates.
 
     ``model``: a config name (``tiny``, ``llama2-7b``...) or a ``LlamaConfig``; ``cfg``: every
     option of the step as ``jaxpar train`` takes it (dtypes, remat, micro-batches, attention;
     ``attention="auto"`` is splash on a TPU pod). ``dump_hlo``: a directory to write the compiled
-    program's text into; ``family_options``: the options only the model's family takes (``RunConfig``'s
-    ``block_size``, ``window`` of a block diffusion model, which reads ``seq_len`` tokens twice:
-    [x_t ; x_0]; ``capacity_factor``, ``balance_weight``, ``bias_rate`` of a mixture of experts); ``explicit``: the fields of ``cfg`` given on
+    program's text into; ``run_options``: the ``RunConfig`` fields that shape the program besides these:
+    the options only the model's family takes (``block_size``, ``window`` of a block diffusion model,
+    which reads ``seq_len`` tokens twice: [x_t ; x_0]; ``capacity_factor``, ``balance_weight``,
+    ``bias_rate`` of a mixture of experts), ``tokenizer`` (the vocabulary follows it) and
+    ``packing`` (rows of whole documents, with segment ids); ``explicit``: the fields of ``cfg`` given on
     purpose (refused, like any non-default value, where the layout would ignore them).
 
     A plan that cannot fit is a ``JobFailed`` when the compiler itself refuses it (XLA:TPU);
     otherwise the report says whether it fits (``memory_per_chip["fits"]``)."""
 
     name = model if isinstance(model, str) else "the model"
-    model_cfg, strategy = _checked_plan(model, topology, strategy_text, batch_size, seq_len, cfg, explicit, family_options)
+    model_cfg, strategy = _checked_plan(model, topology, strategy_text, batch_size, seq_len, cfg, explicit, run_options)
     family = family_of(model_cfg)
     if dump_hlo is not None:
         check_writable(str(dump_hlo), "--dump-hlo", directory=True)
@@ -99,7 +101,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     train_cfg = dataclasses.replace(cfg, attention=_attention_for(cfg.attention, target, seq_len, strategy),
                                     memory_bytes=topology.hbm_bytes)
     run = RunConfig(model=name, strategy=strategy_text, steps=cfg.total_steps, batch_size=batch_size, seq_len=seq_len,
-                    train=train_cfg, explicit=explicit, **family_options)
+                    train=train_cfg, explicit=explicit, **run_options)
     plan = plan_run(run, topology, target.devices, model_cfg, must_fit=False)  # the fit is what this reports
     trainer, batch, layout = Trainer.from_plan(plan.step), plan.example, plan.step.layout
     try:
@@ -153,7 +155,7 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
 
 
 def _checked_plan(model, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, cfg: TrainConfig,
-                  explicit: frozenset[str], family_options: dict):
+                  explicit: frozenset[str], run_options: dict):
     """(model config, strategy) of a plan, every input refused that cannot work or would do nothing,
     before the (slow) TPU compiler is loaded or anything is built."""
     name = model if isinstance(model, str) else "the model"
@@ -164,7 +166,7 @@ def _checked_plan(model, topology: Topology, strategy_text: str, batch_size: int
     if isinstance(model, llama.LlamaConfig):
         model_cfg = model
     else:
-        model_cfg = run_model_config(RunConfig(model=model, seq_len=seq_len, **family_options))
+        model_cfg = run_model_config(RunConfig(model=model, seq_len=seq_len, **run_options))
     check_fits_fully_sharded(model_cfg.num_params(), topology, name)
     strategy = parse_strategy(strategy_text, topology.num_chips)
     check_model_axes(strategy, model_cfg, name)

@@ -161,6 +161,7 @@ def _compile(args) -> int:
     strategy = args.strategy + (f",context_algorithm={args.context_algorithm}" if args.context_algorithm else "")
     report = compile_report(args.model, topology, strategy, args.batch_size, args.seq_len, cfg, dump_hlo=args.dump_hlo,
                             explicit=frozenset(given_flags(TrainConfig, args, "compile")),
+                            tokenizer=args.tokenizer, packing=args.packing,
                             **{option: getattr(args, option) for family in FAMILIES.values() for option in family.options})
     print(format_report(report))
     if args.dump_hlo:
@@ -432,9 +433,8 @@ def _check_parser(sub, chosen: str | None):
 
 def _check(args) -> int:
     topology = _cpu_topology_simulated(args.topology)
-    from jaxpar.run import RunConfig, build_trainer, check_run, rows_at
+    from jaxpar.run import RunConfig, build_trainer, check_run, first_batch
     from jaxpar.train import check as check_lib
-    from jaxpar.train import data
     from jaxpar.train.step import TrainConfig
 
     run = config_from_args(RunConfig, args, "check", steps=1, train=config_from_args(TrainConfig, args, "check"))
@@ -442,8 +442,8 @@ def _check(args) -> int:
     check_lib.check_tolerance(args.tolerance)
     trainer, _, model_cfg = build_trainer(run, topology)
     check_lib.check_comparable(trainer.layout)
-    # the main job's first batch, made as the run makes it (a block diffusion model's [x_t ; x_0] too)
-    batch = rows_at(run, model_cfg)(data.corpus_tokens(), 0, 0, args.batch_size)
+    # the run's first batch, from --data or the main job's corpus (a block diffusion model's [x_t ; x_0] too)
+    batch = first_batch(run, model_cfg, lambda message: print(message, file=sys.stderr))
     report = trainer.check(batch, args.tolerance, args.seed)
     print(f"{args.model} under {args.strategy} on {topology.name}: {report.format()}")
     return EXIT_OK if report.ok else EXIT_FAILED

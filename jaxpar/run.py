@@ -58,7 +58,8 @@ class RunConfig:
         "compile": "tokens per sequence (a block diffusion model reads twice as many: [x_t ; x_0])"})
     seed: int = flags.flag(0, commands=("train", "check"))
     # rows of whole documents (train.data.packed_batch_at), not windows of the stream
-    packing: bool = flags.flag(False, **flags.ON_OFF, help="on: rows of whole documents with segment ids, loss over real tokens; off: windows of the text")
+    packing: bool = flags.flag(False, **flags.ON_OFF, commands=("train", "bench", "check", "compile"),
+                              help="on: rows of whole documents with segment ids, loss over real tokens; off: windows of the text")
     # a block diffusion model's blocks (None: its config's)
     block_size: int | None = flags.flag(None, commands=("train", "compile"), help={
         "train": "block diffusion models (bd3lm-*): tokens per block, dividing --seq-len (default 16)",
@@ -83,20 +84,26 @@ class RunConfig:
                  "by this much toward the experts that got fewer tokens than an even share (e.g. 0.001; 0: no bias, the default)",
         "compile": "mixture-of-experts models: the routing bias's step per training step (0: no bias)"})
     # a user's own corpus (jaxpar.corpus): files or globs, how to read them, the tokenizer
-    data: str | None = flags.flag(None, group="data", help="your corpus instead of the built-in one: files, directories or globs, "
+    data: str | None = flags.flag(None, group="data", commands=("train", "bench", "check"),
+                                  help="your corpus instead of the built-in one: files, directories or globs, "
                                   "comma-separated (.txt, .jsonl, .parquet); tokenized once into a cache beside it")
-    data_field: str = flags.flag("text", group="data", help="the field (JSON Lines) or column (Parquet) that holds the text")
-    data_separator: str | None = flags.flag(None, group="data", help="split plain text files into documents where this occurs "
+    data_field: str = flags.flag("text", group="data", commands=("train", "bench", "check"),
+                                 help="the field (JSON Lines) or column (Parquet) that holds the text")
+    data_separator: str | None = flags.flag(None, group="data", commands=("train", "bench", "check"),
+                                            help="split plain text files into documents where this occurs "
                                             "(e.g. a blank line: $'\\n\\n'); default: one document per file")
-    tokenizer: str | None = flags.flag(None, group="data", help="bytes (UTF-8 bytes, vocabulary 256; the default), a Hugging Face "
+    tokenizer: str | None = flags.flag(None, group="data", commands=("train", "bench", "check", "compile"),
+                                       help="bytes (UTF-8 bytes, vocabulary 256; the default), a Hugging Face "
                                        "tokenizer.json or a SentencePiece .model; the model's vocabulary follows it (with "
                                        "--init-from: the checkpoint's tokenizer by default)")
-    eval_data: str | None = flags.flag(None, group="data", help="held-out files (as --data); default: the last --eval-fraction "
-                                       "of --data's documents")
-    eval_fraction: float = flags.flag(0.05, group="data", help="with --data and no --eval-data: the documents held out")
-    eval_every: int = flags.flag(0, group="data", metavar="N", help="the held-out loss every N steps as well as at the end (0: at the end only); "
-                                 "on the same held-out batch each time, in the report, the log and --tensorboard")
-    data_cache: str | None = flags.flag(None, group="data", help="where token caches go (default: .jaxpar-cache beside the data)")
+    eval_data: str | None = flags.flag(None, group="data", commands=("train", "bench"),
+                                       help="held-out files (as --data); default: the last --eval-fraction of --data's documents")
+    eval_fraction: float = flags.flag(0.05, group="data", commands=("train", "bench"),
+                                      help="with --data and no --eval-data: the documents held out")
+    eval_every: int = flags.flag(0, group="data", metavar="N", help="the held-out loss every N steps as well as at the end "
+                                 "(0: at the end only), on the same held-out batch each time: in the report, the log and --tensorboard")
+    data_cache: str | None = flags.flag(None, group="data", commands=("train", "bench", "check"),
+                                        help="where token caches go (default: .jaxpar-cache beside the data)")
     # a checkpoint whose weights (and model config, and tokenizer) the run starts from
     init_from: str | None = flags.flag(None, metavar="CHECKPOINT_DIR", help="start from the weights of this checkpoint's newest "
                                        "step (a jaxpar run's, or jaxpar convert --from-hf's), its model and tokenizer, with a "
@@ -531,6 +538,16 @@ def _batches(run: RunConfig, trainer: Trainer, cfg, tokens, held_out, own=None):
         run.batch_size, lambda a, b: rows(corpus, step, a, b)
     )
     return train, held, batch_of
+
+
+def first_batch(run: RunConfig, cfg, log=lambda message: None):
+    """The run's batch at step 0, whole, on the host, as ``run_training`` reads it (``jaxpar check``'s)."""
+    own = open_data(run, log)
+    if own is not None:
+        train, _, rows = _own_rows(run, cfg, *own)
+        return rows(train, 0, 0, run.batch_size)
+    tokens = data.split_corpus(data.corpus_tokens())[0]
+    return rows_at(run, cfg)(data.documents(tokens) if run.packing else tokens, 0, 0, run.batch_size)
 
 
 @dataclasses.dataclass

@@ -16,13 +16,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jaxpar import corpus
+from jaxpar import cli, corpus
+from jaxpar.aot import compile_report
 from jaxpar.errors import JaxparError
+from jaxpar.flags import config_from_args
 from jaxpar.models import llama
-from jaxpar.run import RunConfig, check_same_function, open_data, run_training
+from jaxpar.run import RunConfig, check_same_function, first_batch, open_data, run_model_config, run_training
 from jaxpar.serve.common import restore_model
 from jaxpar.serve.llama import generate_from_checkpoint
 from jaxpar.train.checkpoint import CheckpointConfig
+from jaxpar.train.config import TrainConfig
 from jaxpar.topology import load_topology
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
@@ -196,3 +199,23 @@ def test_bad_input_is_refused_in_words(files, tmp_path):
     run = RunConfig(model="tiny", strategy="data=8", tokenizer=str(tmp_path / "good.json"))
     with pytest.raises(JaxparError, match="was trained with --tokenizer bytes"):
         check_same_function(run, None, None, "runs/x", meta)
+
+
+def test_check_compile_and_bench_take_the_runs_data_settings(files, tmp_path, capsys):
+    """``jaxpar check`` runs its one-device comparison on the run's first batch of ``--data``
+    (packed documents of the JSON Lines file here); ``jaxpar compile`` compiles the step for the
+    tokenizer's vocabulary and the packed batch; ``jaxpar bench`` passes them to each run."""
+    train_bpe(tmp_path / "tokenizer.json", [text_of(i) for i in range(200)])
+    own = ["--data", str(files / "records.jsonl"), "--data-field", "body", "--tokenizer", str(tmp_path / "tokenizer.json"),
+           "--packing", "on"]
+    assert cli.main(["check", "--model", "tiny", "--strategy", "fsdp=4,tensor=2", "--batch-size", "4", "--seq-len", "16", *own]) == 0
+    assert "12 of 12 weights match" in capsys.readouterr().out
+    run = RunConfig(model="tiny", batch_size=4, seq_len=16, data=str(files / "records.jsonl"), data_field="body",
+                    tokenizer=str(tmp_path / "tokenizer.json"), packing=True)
+    cfg = run_model_config(run)
+    batch = first_batch(run, cfg)
+    assert cfg.vocab_size == 384 and batch["segments"].shape == (4, 16) and batch["inputs"].max() < 300
+    report = compile_report("tiny", load_topology("cpu-8"), "fsdp=4,tensor=2", 4, 16, TrainConfig(), tokenizer=run.tokenizer, packing=True)
+    assert report["num_params"] == cfg.num_params() != llama.CONFIGS["tiny"].num_params()
+    parsed = cli._parser("bench").parse_args(["bench", "--batch-size", "4", "--seq-len", "16", *own])
+    assert config_from_args(RunConfig, parsed, "bench") == dataclasses.replace(run, steps=6)
