@@ -19,7 +19,7 @@ from jaxpar.attention import check_platform
 from jaxpar.errors import JaxparError, JobFailed
 from jaxpar.mesh import dcn_misplaced, split_ici_dcn
 from jaxpar.models import family_of, llama
-from jaxpar import parallel, planner
+from jaxpar import parallel, planner, scalars
 from jaxpar.parallel import parse_strategy
 from jaxpar.parallel.stage import schedules
 from jaxpar.topology import Topology
@@ -74,7 +74,7 @@ POD_DEFAULTS = TrainConfig(compute_dtype="bfloat16", remat="full")
 
 def compile_report(model, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, cfg: TrainConfig = POD_DEFAULTS,
                    alternatives: int = 3, dump_hlo: str | os.PathLike | None = None, explicit: frozenset[str] = frozenset(),
-                   **run_options) -> dict:
+                   progress=None, **run_options) -> dict:
     """Compile the training step for ``topology`` and report fit, traffic, cost and estimates.
 
     ``model``: a config name (``tiny``, ``llama2-7b``...) or a ``LlamaConfig``; ``cfg``: every
@@ -85,7 +85,8 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     which reads ``seq_len`` tokens twice: [x_t ; x_0]; ``capacity_factor``, ``balance_weight``,
     ``bias_rate`` of a mixture of experts), ``tokenizer`` (the vocabulary follows it) and
     ``packing`` (rows of whole documents, with segment ids); ``explicit``: the fields of ``cfg`` given on
-    purpose (refused, like any non-default value, where the layout would ignore them).
+    purpose (refused, like any non-default value, where the layout would ignore them); ``progress``:
+    a stream for a spinner while XLA compiles (minutes for a pod) and the time it took.
 
     A plan that cannot fit is a ``JobFailed`` when the compiler itself refuses it (XLA:TPU);
     otherwise the report says whether it fits (``memory_per_chip["fits"]``)."""
@@ -105,7 +106,8 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
     plan = plan_run(run, topology, target.devices, model_cfg, must_fit=False)  # the fit is what this reports
     trainer, batch, layout = Trainer.from_plan(plan.step), plan.example, plan.step.layout
     try:
-        compiled = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
+        with scalars.working(f"compiling the step for {topology.name} ({target.compiler.upper()}, {n} devices)", progress):
+            compiled = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise

@@ -161,7 +161,7 @@ def _compile(args) -> int:
     strategy = args.strategy + (f",context_algorithm={args.context_algorithm}" if args.context_algorithm else "")
     report = compile_report(args.model, topology, strategy, args.batch_size, args.seq_len, cfg, dump_hlo=args.dump_hlo,
                             explicit=frozenset(given_flags(TrainConfig, args, "compile")),
-                            tokenizer=args.tokenizer, packing=args.packing,
+                            tokenizer=args.tokenizer, packing=args.packing, progress=sys.stderr,
                             **{option: getattr(args, option) for family in FAMILIES.values() for option in family.options})
     print(format_report(report))
     if args.dump_hlo:
@@ -366,6 +366,22 @@ def _generate(args) -> int:
         return _generate_blocks(args, prompts[0], layout, began)
 
 
+@contextlib.contextmanager
+def _generating(total: int, what: str):
+    """``progress(done)`` for a sampler: a bar of the ``total`` new ``what`` on a terminal
+    (the first includes the compiles); None in a log, where the summary line says it all."""
+    from jaxpar import scalars
+
+    if not scalars.terminal(sys.stderr):
+        yield None
+        return
+    bar = scalars.Progress(0, total, sys.stderr, what=f"generate ({what})")
+    try:
+        yield lambda done: bar.update(done, "")
+    finally:
+        bar.close()
+
+
 def _generate_llama(args, prompts, layout, began, family: str) -> int:
     import time
 
@@ -374,9 +390,10 @@ def _generate_llama(args, prompts, layout, began, family: str) -> int:
 
     new = 64 if args.max_new_tokens is None else args.max_new_tokens
     check_at_least("--max-new-tokens", new, 1)
-    outs, decoded = decoder.generate_from_checkpoint(args.checkpoint_dir, prompts, new, temperature=args.temperature,
-                                                     top_p=args.top_p, seed=args.seed, layout=layout, step=args.step,
-                                                     permutation=args.permutation, family=family)
+    with _generating(new, "tokens") as progress:
+        outs, decoded = decoder.generate_from_checkpoint(args.checkpoint_dir, prompts, new, temperature=args.temperature,
+                                                         top_p=args.top_p, seed=args.seed, layout=layout, step=args.step,
+                                                         permutation=args.permutation, family=family, progress=progress)
     seconds = time.perf_counter() - began
     for out in outs:
         print(out.text)
@@ -402,9 +419,10 @@ def _generate_blocks(args, prompt, layout, began) -> int:
     new_blocks = 4 if args.new_blocks is None else args.new_blocks
     check_at_least("--new-blocks", new_blocks, 1)
     # --denoise-steps is checked against the checkpoint's block size, from its meta, before any array is read
-    out = sampler.generate_from_checkpoint(args.checkpoint_dir, prompt, new_blocks, denoise_steps=args.denoise_steps,
-                                           temperature=args.temperature, top_p=args.top_p, seed=args.seed, layout=layout,
-                                           step=args.step)
+    with _generating(new_blocks, "blocks") as progress:
+        out = sampler.generate_from_checkpoint(args.checkpoint_dir, prompt, new_blocks, denoise_steps=args.denoise_steps,
+                                               temperature=args.temperature, top_p=args.top_p, seed=args.seed, layout=layout,
+                                               step=args.step, progress=progress)
     seconds = time.perf_counter() - began
     print(out.text)
     new = len(out.tokens) - out.prompt_tokens

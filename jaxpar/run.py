@@ -519,7 +519,8 @@ def _own_rows(run: RunConfig, cfg, train: corpus.Corpus, held: corpus.Corpus):
     """(training reader, held-out reader, rows(reader, step, first, stop)) of ``--data``: Grain's
     windows or packed rows (``corpus.pipeline``), made into the family's rows where it has its own."""
     kind = corpus.PackedRows if run.packing else corpus.Windows
-    readers = [kind(part, run.seq_len, run.batch_size, run.seed) for part in (train, held)]
+    held_words = "the held-out text (--eval-data)" if run.eval_data else f"the held-out text (--eval-fraction {run.eval_fraction} of --data)"
+    readers = [kind(part, run.seq_len, run.batch_size, run.seed, what) for part, what in ((train, "--data"), (held, held_words))]
     family = family_of(cfg)
     if family.rows is not None:
         return (*readers, lambda reader, step, a, b: family.rows(cfg, reader.rows(step, a, b)[:, :run.seq_len], run.seed, step, a))
@@ -605,6 +606,7 @@ def run_training(
     tokens, held_out = data.split_corpus(data.corpus_tokens()) if own is None else (None, None)
     if own is None and run.seq_len >= len(held_out):
         raise JaxparError(f"--seq-len {run.seq_len} is longer than the held-out text ({len(held_out)} tokens); use a shorter one")
+    train, held, batch_of = _batches(run, trainer, cfg, tokens, held_out, own)  # too little text is refused here, before any work
     ckpt, board = _open_checkpoints(trainer, checkpoint, resume), None
     try:
         if ckpt is not None and own is not None:  # its checkpoints are read with it (jaxpar generate)
@@ -614,15 +616,19 @@ def run_training(
         state, start, resumed = _start_state(trainer, run, ckpt, resume, log, check_meta, data_meta["corpus"])
         if on_start is not None:
             on_start()
-        compiled = trainer.jit_step(plan.example).lower(state, plan.example).compile()
+        with scalars.working("compiling the step", progress if lead else None):
+            compiled = trainer.jit_step(plan.example).lower(state, plan.example).compile()
         meta = {"model": model_name(run), "strategy": str(strategy), "topology": topology.name, "devices": trainer.layout.mesh.size,
                 "processes": jax.process_count()}
         meta.update(family.meta(cfg), **config_record(cfg))  # what the sampler and a resume read (a BD3-LM's blocks and window)
         meta.update(data_meta, **({"run": record} if record is not None else {}))
-        train, held, batch_of = _batches(run, trainer, cfg, tokens, held_out, own)
         board = scalars.TensorBoard(run.tensorboard) if (run.tensorboard and lead) else None
         figures = _figures(run, trainer, cfg, topology, board) if board else None
-        evaluate = _evaluator(trainer, plan.example, state, batch_of(held, 0)) if run.eval_every else None
+        if run.eval_every:
+            with scalars.working("compiling the held-out loss", progress if lead else None):
+                evaluate = _evaluator(trainer, plan.example, state, batch_of(held, 0))
+        else:
+            evaluate = None
         state, steps = _train_steps(run, trainer, compiled, state, start, resumed, lambda step: batch_of(train, step), ckpt, meta,
                                     progress if lead else None, catch_signals, figures, evaluate)
     except BaseException:

@@ -4,6 +4,7 @@ progress bar on a terminal (rich), a line every 10% of the steps in a log."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from jaxpar.errors import JaxparError
@@ -36,7 +37,7 @@ class Progress:
     def __init__(self, first: int, total: int, stream, what: str = "train"):
         self.first, self.total, self.stream, self.start = first, total, stream, time.perf_counter()
         self.bar = None
-        if hasattr(stream, "isatty") and stream.isatty():
+        if terminal(stream):
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
 
@@ -59,3 +60,28 @@ class Progress:
     def close(self):
         if self.bar is not None:
             self.bar.stop()
+
+
+def terminal(stream) -> bool:
+    return hasattr(stream, "isatty") and stream.isatty()
+
+
+@contextlib.contextmanager
+def working(what: str, stream):
+    """Around long work with no steps to count (a compile): on a terminal a spinner with ``what``
+    and the time so far, gone when done; either way a line ``what: N s`` at the end."""
+    began = time.perf_counter()
+    if stream is None:
+        yield
+        return
+    if terminal(stream):
+        from rich.console import Console
+        from rich.progress import Progress as Bar, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        with Bar(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), console=Console(file=stream), transient=True) as bar:
+            bar.add_task(what, total=None)
+            yield
+    else:
+        yield
+    stream.write(f"{what}: {time.perf_counter() - began:.1f} s\n")
+    stream.flush()

@@ -4,8 +4,11 @@ file invalidates, read through Grain exactly once per epoch whichever processes 
 and trained on with a tokenizer trained here (its figures in TensorBoard), then generated from;
 bad input is refused in words before any work."""
 import dataclasses
+import io
 import json
 import math
+import re
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jaxpar import cli, corpus
+from jaxpar import cli, corpus, scalars
 from jaxpar.aot import compile_report
 from jaxpar.errors import JaxparError
 from jaxpar.flags import config_from_args
@@ -91,17 +94,21 @@ def test_every_token_is_read_once_per_epoch_whichever_process_reads_which_rows(f
     for key in alone[0]:
         np.testing.assert_array_equal(np.concatenate([np.concatenate([h[s][key] for h in halves]) for s in range(steps)]),
                                       np.concatenate([a[key] for a in alone]))
-    # the first epoch's rows hold every document once (one longer than a row in pieces that overlap
-    # by one token: each of its predictions is made once)
+    assert_each_prediction_once_an_epoch(alone, reader, whole)
+    # a batch's weights make the mean over every slot the mean over the global batch's real tokens
+    for r in alone:
+        assert r["weights"].sum() == pytest.approx(r["weights"].size, rel=1e-5)
+
+
+def assert_each_prediction_once_an_epoch(batches, reader: corpus.PackedRows, whole: corpus.Corpus):
+    """The first epoch's rows of packed ``batches`` hold every document once (one longer than a row
+    in pieces that overlap by one token: each of its predictions is made once)."""
     read = [(r["inputs"][i][r["segments"][i] == g], r["targets"][i][r["segments"][i] == g])
-            for r in alone for i in range(8) for g in range(1, r["segments"][i].max() + 1)]
+            for r in batches for i in range(len(r["segments"])) for g in range(1, r["segments"][i].max() + 1)]
     read = read[:sum(len(row) for row in reader.rows_of)]
     pieces = sorted(np.append(x, y[-1]).tobytes() for x, y in read)
     assert pieces == sorted(np.asarray(whole.tokens[a:b], np.int32).tobytes() for a, b in reader.pieces)
     assert sum(b - a - 1 for a, b in reader.pieces) == sum(b - a - 1 for a, b in whole.bounds)  # every prediction once
-    # a batch's weights make the mean over every slot the mean over the global batch's real tokens
-    for r in alone:
-        assert r["weights"].sum() == pytest.approx(r["weights"].size, rel=1e-5)
 
 
 def train_bpe(path, texts):
@@ -166,7 +173,9 @@ def test_training_on_your_corpus_with_your_tokenizer_then_generating_text(files,
     assert report["losses"][-1] < report["losses"][0] - 0.5 and np.isfinite(report["held_out_loss"]), report["losses"]
     # the checkpoint keeps the tokenizer: generation reads it there, even with the original gone
     path.unlink()
-    (out,), _ = generate_from_checkpoint(str(tmp_path / "run"), ["sigma tau"], 6)
+    seen = []  # jaxpar generate's progress bar is fed these
+    (out,), _ = generate_from_checkpoint(str(tmp_path / "run"), ["sigma tau"], 6, progress=seen.append)
+    assert seen == [1, 2, 3, 4, 5, 6]
     words = corpus.load(str(next((tmp_path / "run").glob("tokenizer.*"))))
     assert out.text.startswith("sigma tau") and out.text == words.decode(out.tokens)
     assert out.tokens[:out.prompt_tokens].tolist() == words.encode("sigma tau") and out.tokens.max() < size
@@ -219,3 +228,26 @@ def test_check_compile_and_bench_take_the_runs_data_settings(files, tmp_path, ca
     assert report["num_params"] == cfg.num_params() != llama.CONFIGS["tiny"].num_params()
     parsed = cli._parser("bench").parse_args(["bench", "--batch-size", "4", "--seq-len", "16", *own])
     assert config_from_args(RunConfig, parsed, "bench") == dataclasses.replace(run, steps=6)
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log():
+    """Steps: a rich bar on a terminal, a line at every 10% (and at each held-out loss) in a log;
+    a compile: a spinner on a terminal, and its time either way."""
+    log, screen = io.StringIO(), Terminal()
+    for stream in (log, screen):
+        bar = scalars.Progress(0, 20, stream)
+        for done in range(1, 21):
+            bar.update(done, f"loss {done}", always=done == 3)
+        bar.close()
+        with scalars.working("compiling the step", stream):
+            time.sleep(0.05)
+    lines = log.getvalue().splitlines()
+    assert [line.split()[:3] for line in lines[:-1]] == [[f"{d}/20", "loss", str(d)] for d in (2, 3, *range(4, 21, 2))]
+    assert re.fullmatch(r"compiling the step: 0\.[01] s", lines[-1])
+    drawn = screen.getvalue()
+    assert "20/20" in drawn and "loss 20" in drawn and re.search(r"compiling the step: 0\.[01] s\n$", drawn)

@@ -1,21 +1,29 @@
 """Multi-host on one machine: jobs of 2 jax.distributed processes (4 simulated CPU devices each,
 gloo collectives) started by ``jaxpar launch``, against the same job in this one process."""
+import dataclasses
 import json
 import os
+import pickle
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from jaxpar import cli, launch
+from jaxpar import cli, corpus, launch
 from jaxpar.errors import JaxparError
 from jaxpar.topology import load_topology
-from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer, flat_arrays, load_arrays
-from jaxpar.run import RunConfig, build_trainer, run_training
+from jaxpar.train.checkpoint import LOCK_NAME, CheckpointConfig, Checkpointer, flat_arrays, load_arrays
+from jaxpar.train.placement import BatchPlacement
+from jaxpar.run import RunConfig, build_trainer, open_data, run_training
+from tests.jobs.record_rows import recording
+from tests.test_corpus import assert_each_prediction_once_an_epoch, text_of
 
 pytestmark = pytest.mark.multiprocess
 
@@ -228,3 +236,69 @@ def test_explicit_process_flags_are_checked(capsys):
     assert "is not host:port" in capsys.readouterr().err
     assert cli.main(["train", "--coordinator", "127.0.0.1:1234", "--num-processes", "3", "--process-id", "0"]) == 2
     assert "8 chips do not split evenly over 3 processes" in capsys.readouterr().err
+
+
+def _trimmed_copy(source, target, last_step: int):
+    """A copy of checkpoint directory ``source`` holding its checkpoints up to ``last_step`` (no lock)."""
+    shutil.copytree(source, target, ignore=lambda d, names: [n for n in names if os.path.samefile(d, source) and
+                                                             (n == LOCK_NAME or (n.isdigit() and int(n) > last_step))])
+
+
+@pytest.mark.slow
+def test_a_two_process_job_on_your_data_reads_each_token_once_an_epoch_and_resumes_elsewhere_on_the_same_batches(tmp_path, monkeypatch):
+    """``--data`` (text, JSON Lines and Parquet files written here) packed into rows: the 2
+    processes of an fsdp=8 job read disjoint halves of every batch, together the batch one process
+    reads, and every document's every prediction once an epoch. Resumed from its checkpoint 2 in one
+    process under data=2,tensor=4, the run reads the same batches bitwise, and its losses equal
+    the job's to 1e-5 (the same sums in another order); resumed again, from that run's checkpoint
+    4 under the same layout, it repeats that run's losses bitwise."""
+    files = tmp_path / "corpus"
+    files.mkdir()
+    (files / "notes.txt").write_text("\n\n".join(text_of(i) for i in range(100, 106)))
+    (files / "records.jsonl").write_text("".join(json.dumps({"body": text_of(i)}) + "\n" for i in range(106, 118)))
+    pq.write_table(pa.table({"body": [text_of(i) for i in range(118, 126)]}), files / "rows.parquet")
+    (files / "held.txt").write_text("\n\n".join(text_of(i) for i in range(126, 136)))
+    run = RunConfig(model="tiny", strategy="fsdp=8", batch_size=8, seq_len=64, seed=0, packing=True, data_field="body",
+                    data=f"{files}/notes.txt,{files}/records.jsonl,{files}/rows.parquet", data_separator="\n\n",
+                    eval_data=str(files / "held.txt"))
+    train, _ = open_data(run, print)
+    reader = corpus.PackedRows(train, run.seq_len, run.batch_size, run.seed)
+    epoch = -(-len(reader.rows_of) // run.batch_size)
+    run = dataclasses.replace(run, steps=epoch + 2)  # into the second epoch
+    argv = ["train", "--strategy", run.strategy, "--steps", str(run.steps), "--batch-size", "8", "--seq-len", "64", "--data", run.data,
+            "--data-field", "body", "--data-separator", "\n\n", "--eval-data", run.eval_data, "--packing", "on",
+            "--checkpoint-every", "2", "--keep-checkpoints", "9",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-json", str(tmp_path / "metrics.json")]
+    job = Job(["--processes", "2", "--devices-per-process", "4"], [sys.executable, os.path.join(JOBS, "record_rows.py"), str(tmp_path), *argv],
+              tmp_path / "status")
+    assert job.wait() == 0, job.output()[-3000:]
+    losses = json.loads((tmp_path / "metrics.json").read_text())["losses"]
+    read = [pickle.loads((tmp_path / f"rows-{p}.pkl").read_bytes()) for p in (0, 1)]
+    assert len(read[0]) == len(read[1]) == run.steps + 1  # every step's batch, then the held-out one
+    whole = []
+    for step in range(run.steps):
+        (mine, theirs) = ([(a, b) for a, b, _ in read[p][step]] for p in (0, 1))
+        assert mine[0][0] == 0 and mine[-1][1] == theirs[0][0] and theirs[-1][1] == 8  # halves: none twice, none missed
+        parts = [rows for p in (0, 1) for _, _, rows in read[p][step]]
+        whole.append({key: np.concatenate([part[key] for part in parts]) for key in parts[0]})
+        for key, value in reader.rows(step, 0, run.batch_size).items():
+            np.testing.assert_array_equal(whole[-1][key], value, err_msg=f"step {step + 1} {key}")
+    assert_each_prediction_once_an_epoch(whole[:epoch], reader, train)
+
+    def resume(source, last_step, target):
+        _trimmed_copy(source, target, last_step)
+        seen = []
+        monkeypatch.setattr(BatchPlacement, "put_process", recording(seen))
+        report = run_training(dataclasses.replace(run, strategy="data=2,tensor=4"), load_topology("cpu-8"), progress=None,
+                              checkpoint=CheckpointConfig(str(target), every=2, keep=9), resume="required")
+        monkeypatch.undo()
+        return report, seen
+
+    moved, seen = resume(tmp_path / "ckpt", 2, tmp_path / "moved")
+    assert moved["start_step"] == 2 and moved["processes"] == 1 and len(seen) == run.steps - 2 + 1
+    for step, parts in enumerate(seen[:-1], start=2):
+        for key in whole[step]:
+            np.testing.assert_array_equal(np.concatenate([rows[key] for _, _, rows in parts]), whole[step][key])
+    np.testing.assert_allclose(moved["losses"], losses, rtol=1e-5)
+    again, _ = resume(tmp_path / "moved", 4, tmp_path / "again")
+    assert again["start_step"] == 4 and again["losses"][4:] == moved["losses"][4:]

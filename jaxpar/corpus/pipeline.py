@@ -67,11 +67,11 @@ def _order(records: int, seed: int):
 class Windows:
     """Windows of ``seq_len + 1`` tokens of the stream: rows (rows, seq_len + 1) int32."""
 
-    def __init__(self, corpus: Corpus, seq_len: int, batch_size: int, seed: int):
+    def __init__(self, corpus: Corpus, seq_len: int, batch_size: int, seed: int, what: str = "the corpus"):
         self.corpus, self.seq_len, self.batch_size = corpus, seq_len, batch_size
         self.records = (len(corpus.tokens) - 1) // seq_len
         if self.records < 1:
-            raise JaxparError(f"the corpus has {len(corpus.tokens)} tokens, fewer than one window of --seq-len {seq_len} + 1; "
+            raise JaxparError(f"{what} has {len(corpus.tokens)} tokens, fewer than one window of --seq-len {seq_len} + 1; "
                               f"give more text or a shorter --seq-len")
         self.order = _order(self.records, seed)
 
@@ -81,17 +81,18 @@ class Windows:
 
 
 class PackedRows:
-    """Whole documents packed first-fit into rows of ``seq_len`` predictions: rows as
-    ``data.packed_batch_at`` makes them (inputs, targets, positions, segments, weights)."""
+    """Whole documents packed best-fit into rows of ``seq_len`` predictions: rows as
+    ``data.packed_batch_at`` makes them (inputs, targets, positions, segments, weights). ``what``:
+    the corpus in a refusal's words."""
 
-    def __init__(self, corpus: Corpus, seq_len: int, batch_size: int, seed: int):
+    def __init__(self, corpus: Corpus, seq_len: int, batch_size: int, seed: int, what: str = "the corpus"):
         self.corpus, self.seq_len, self.batch_size = corpus, seq_len, batch_size
         pieces = [(a, min(a + seq_len + 1, b)) for a, b in corpus.bounds for a in range(int(a), int(b) - 1, seq_len)]
         self.rows_of = _best_fit([b - a for a, b in pieces], seq_len)
         self.pieces = pieces
         self.real = np.asarray([sum(pieces[p][1] - pieces[p][0] - 1 for p in row) for row in self.rows_of])
         if len(self.rows_of) < batch_size:
-            raise JaxparError(f"the corpus's documents fill {len(self.rows_of)} rows of {seq_len} tokens, fewer than the batch "
+            raise JaxparError(f"{what}: its documents fill {len(self.rows_of)} rows of {seq_len} tokens, fewer than the batch "
                               f"of {batch_size}; use a smaller --batch-size or --seq-len, or give more text")
         self.order = _order(len(self.rows_of), seed)
 

@@ -212,12 +212,13 @@ class Sampler(Served):
         return tokens.astype(np.int32)
 
     def generate(self, prompt, new_blocks: int, *, denoise_steps: int | None = None, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, max_length: int | None = None, path: str = "cache") -> np.ndarray:
+                 top_p: float = 1.0, seed: int = 0, max_length: int | None = None, path: str = "cache", progress=None) -> np.ndarray:
         """int32 tokens (rows, (P // B + new_blocks) B): the ``prompt`` (rows, P) of data ids, then
         ``new_blocks`` denoised blocks, the first opened by the prompt's last partial block (see
         the module doc). ``denoise_steps``: S, from 1 to B (default B: one token a step).
         ``max_length``: refuse an output longer than this many tokens (default: no bound).
-        ``path``: ``cache`` (the KV cache) or ``recompute`` (the training forward, no cache)."""
+        ``path``: ``cache`` (the KV cache) or ``recompute`` (the training forward, no cache).
+        ``progress(new blocks so far)`` after each block."""
         b = self.block_size
         steps = b if denoise_steps is None else denoise_steps
         check_sampling(b, steps, temperature, top_p)
@@ -253,6 +254,8 @@ class Sampler(Served):
                 else:
                     done = self._program("denoise_recompute", *statics)(self.params, out[:, :start], block, block_key)
                 out[:, start:start + b] = np.asarray(done)
+                if progress:
+                    progress(index + 1 - whole)
                 if path == "cache" and index < blocks - 1:
                     cache = self._program("commit")(self.params, cache, jnp.int32(start), out[:, start:start + b])
         return out[:rows]  # the padding rows dropped
@@ -286,11 +289,12 @@ def check_unwindowed(window) -> None:
 
 def generate_from_checkpoint(checkpoint_dir: str, prompt_text: str, new_blocks: int, *, denoise_steps: int | None = None,
                              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, block_size: int | None = None,
-                             max_length: int | None = None, layout: Layout | None = None, step: int | None = None) -> Generated:
+                             max_length: int | None = None, layout: Layout | None = None, step: int | None = None,
+                             progress=None) -> Generated:
     """Continue ``prompt_text`` by ``new_blocks`` blocks from the weights of a ``jaxpar train``
     checkpoint (``restore_model``), as ``Sampler.generate`` does on its UTF-8 bytes.
     ``block_size``: default the run's ``--block-size``, as its checkpoint records it. ``max_length``: default the run's ``--seq-len`` (positions beyond it were never
-    trained on; pass a larger one to go further)."""
+    trained on; pass a larger one to go further). ``progress``: as for ``Sampler.generate``."""
     def run_block_size(meta, cfg):  # the run's --block-size (runs before it was recorded: the config's)
         return block_size or meta.get("block_size") or cfg.block_size
 
@@ -306,5 +310,5 @@ def generate_from_checkpoint(checkpoint_dir: str, prompt_text: str, new_blocks: 
     sampler = Sampler(model, block_size=block_size, layout=layout, vocab=BYTE_VOCAB)
     prompt = encode_text(prompt_text)
     tokens = sampler.generate(prompt[None], new_blocks, denoise_steps=denoise_steps, temperature=temperature, top_p=top_p,
-                              seed=seed, max_length=max_length)[0]
+                              seed=seed, max_length=max_length, progress=progress)[0]
     return Generated(decode_tokens(tokens), decode_tokens(tokens[len(prompt):]), tokens, len(prompt), meta["model"], meta["step"])

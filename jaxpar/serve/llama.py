@@ -158,9 +158,10 @@ class Decoder(Served):
         return checked
 
     def generate(self, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                 max_length: int | None = None) -> Decoded:
+                 max_length: int | None = None, progress=None) -> Decoded:
         """Each prompt (a 1-D int array, or a list of them) continued by ``max_new_tokens`` ids.
-        ``max_length``: refuse a prompt that would grow longer than this many tokens (default: no bound)."""
+        ``max_length``: refuse a prompt that would grow longer than this many tokens (default: no bound);
+        ``progress(new tokens so far)`` after each decoding step."""
         check_pick(temperature, top_p)
         if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise JaxparError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
@@ -191,12 +192,16 @@ class Decoder(Served):
             cache, picked = self._program("prefill", *statics)(self.params, cache, out[:, :width], pads, jax.random.fold_in(key, 0))
             out[:, width] = np.asarray(picked)
             seconds.append(time.perf_counter() - begun)
+            if progress:
+                progress(1)
             for slot in range(width, total - 1):
                 begun = time.perf_counter()
                 cache, picked = self._program("step", *statics)(self.params, cache, jnp.int32(slot), out[:, slot], pads,
                                                                 jax.random.fold_in(key, slot + 1 - width))
                 out[:, slot + 1] = np.asarray(picked)
                 seconds.append(time.perf_counter() - begun)
+                if progress:
+                    progress(slot + 2 - width)
         return Decoded([out[i, pads[i]:] for i in range(asked)], seconds, max_new_tokens)
 
 
@@ -206,14 +211,15 @@ def _entry(axes: tuple[str, ...]):
 
 def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_tokens: int, *, temperature: float = 0.0,
                              top_p: float = 1.0, seed: int = 0, max_length: int | None = None, layout: Layout | None = None,
-                             step: int | None = None, permutation: str | None = None, family: str = "llama") -> tuple[list[Generated], Decoded]:
+                             step: int | None = None, permutation: str | None = None, family: str = "llama",
+                             progress=None) -> tuple[list[Generated], Decoded]:
     """Continue each of ``prompts`` (text) by ``max_new_tokens`` tokens from the weights of a
     ``jaxpar train`` checkpoint of a model of ``family`` (a Llama, or ``moe``), as ``Decoder.generate`` does on their ids by the
     tokenizer the run trained with (UTF-8 bytes, or the file its checkpoint directory keeps: ``corpus.kept``):
     (one ``Generated`` per prompt, the decoding's ``Decoded``). ``max_length``: default the run's
     ``--seq-len`` (positions beyond it were never trained on; pass a larger one to go further).
     ``permutation``: a file of ``jaxpar affinity`` whose order of heads and MLP columns the weights
-    take when loaded (the checkpoint keeps its own)."""
+    take when loaded (the checkpoint keeps its own). ``progress``: as for ``Decoder.generate``."""
     check_pick(temperature, top_p)
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise JaxparError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
@@ -240,7 +246,7 @@ def generate_from_checkpoint(checkpoint_dir: str, prompts: list[str], max_new_to
         affinity.permute_model(model, placed[0])
     words = tokenizer[0]
     decoded = Decoder(model, layout=layout, vocab=words.vocab_size).generate(encoded, max_new_tokens, temperature=temperature,
-                                                                             top_p=top_p, seed=seed)
+                                                                             top_p=top_p, seed=seed, progress=progress)
     return [Generated(words.decode(t), words.decode(t[len(e):]), t, len(e), meta["model"], meta["step"])
             for t, e in zip(decoded.tokens, encoded)], decoded
 
