@@ -6,8 +6,8 @@ model" shows: plain NNX modules whose weights carry logical names, jaxpar's call
 matmuls and lookup, head counts read from its own kernels, a Python loop over its layers (so it never
 calls ``enter_block``, where an unfinished sum used to be caught). Under ``tensor=8`` with 4 key/value
 heads the layout keeps those heads whole and each device reads the one its query head uses; a model
-that forgets a ``reduce_partial``, or looks rows up by a one-hot matmul in the vocabulary-split table,
-is refused before its first step, naming the op that made the partial sum.
+that forgets a ``reduce_partial``, or looks rows up in the vocabulary-split table by a one-hot matmul,
+by Flax's own lookup or by indexing (each device finding only its own rows), is refused before its first step, naming the op that made the partial sum.
 """
 import math
 
@@ -81,6 +81,10 @@ class GemmaLike(nnx.Module):
         table = self.embed.embedding
         if self.variant == "onehot":  # the fault: a one-hot matmul in the vocabulary-split table
             x = jax.nn.one_hot(tokens, table.shape[0]) @ table[...]
+        elif self.variant == "nnx_embed":  # the fault: Flax's lookup in each device's rows alone (NaN for the others' ids)
+            x = self.embed(tokens)
+        elif self.variant == "indexed":  # the fault: indexing, which clamps the others' ids to this device's last row
+            x = table[...][tokens]
         else:
             x = nn.embed_lookup(table, tokens, ("batch", "length", "embed"))
         x = x * math.sqrt(WIDTH)
@@ -118,6 +122,7 @@ def test_kv_heads_kept_whole_under_tensor_8_equal_one_device():
 
 
 @pytest.mark.parametrize("variant, made_by", [("no_reduce", "dot_general at"), ("onehot", "dot_general at"),
+                                              ("nnx_embed", "gather at"), ("indexed", "gather at"),
                                               ("optax_loss", "reduce_max at")])
 def test_unfinished_partial_sums_refused_before_the_first_step(variant, made_by):
     """Each fault is named at the op that made the partial sum, in this file, before a step runs."""

@@ -72,18 +72,25 @@ def check(jaxpr, seeds, axes: frozenset[str]):
 
 
 def _message(axis: str, origin: str, met: str) -> str:
-    return (f"unfinished partial sum: {origin} reduces over a dim split over mesh axis {axis!r}, so each device holds "
+    return (f"unfinished partial sum: {origin} over mesh axis {axis!r}, so each device holds "
             f"only its share of the result, and {met} uses it as if whole. Finish the sum first: wrap it in "
             f"jaxpar.nn.reduce_partial(x, contracted_names, output_names) (a row-parallel matmul), use "
             f"jaxpar.nn.embed_lookup for a lookup in a vocabulary-split table, or jaxpar.nn.sum_over / cross_entropy for "
             f"a sum or softmax over a split dim")
 
 
+# the calls (jit, custom_vjp...) whose inner jaxprs are being followed, innermost last: an op inside a
+# library's jitted function (jnp.take's gather) has only the library's frames, its caller the user's
+_CALLERS: list = []
+
+
 def _where(eqn) -> str:
-    """The op and the first line of the user's own code that made it (past Flax's and jaxpar's)."""
-    for frame in source_info_util.user_frames(eqn.source_info.traceback):
-        if not any(part in frame.file_name for part in _LIBRARIES):
-            return f"{eqn.primitive.name} at {frame.file_name}:{frame.start_line} ({frame.function_name})"
+    """The op and the first line of the user's own code that made it (past Flax's and jaxpar's),
+    found on the op or else on the calls it was made inside."""
+    for holder in (eqn, *reversed(_CALLERS)):
+        for frame in source_info_util.user_frames(holder.source_info.traceback):
+            if not any(part in frame.file_name for part in _LIBRARIES):
+                return f"{eqn.primitive.name} at {frame.file_name}:{frame.start_line} ({frame.function_name})"
     return f"{eqn.primitive.name} at {source_info_util.summarize(eqn.source_info)}"
 
 
@@ -141,9 +148,15 @@ def _eqn(eqn, ins: list[_Value], axes) -> list[_Value]:
         return outs[0]
     sub = _sub_jaxpr(eqn)
     if sub is not None and len(getattr(sub, "jaxpr", sub).invars) == len(ins):
-        return _run(getattr(sub, "jaxpr", sub), ins, axes)
+        _CALLERS.append(eqn)
+        try:
+            return _run(getattr(sub, "jaxpr", sub), ins, axes)
+        finally:
+            _CALLERS.pop()
     if name == "dot_general" or name in _REDUCTIONS:
         return [_summed(eqn, ins, partial, axes)]
+    if name == "gather":
+        return [_looked_up(eqn, ins, partial, axes)]
     if name in _FINISHING:
         partial = _finish(eqn, partial)
     return [_Value(_dims(eqn, ins, i, axes), partial) for i in range(len(eqn.outvars))]
@@ -196,8 +209,18 @@ def _summed(eqn, ins, partial, axes) -> _Value:
         reduced = tuple(eqn.params.get("axes", ()))
         summed = {a for d in reduced for a in operand.dims[d] or ()}
         dims = tuple(d for i, d in enumerate(operand.dims) if i not in reduced)
-    made = {a: _where(eqn) for a in sorted(summed & axes) if a not in partial}
+    made = {a: f"{_where(eqn)} reduces over a dim split" for a in sorted(summed & axes) if a not in partial}
     return _Value(dims, {**partial, **made})
+
+
+def _looked_up(eqn, ins, partial, axes) -> _Value:
+    """A gather: where the operand's looked-up dims are split, each device finds only the rows it
+    holds (the others' ids come back clamped, or NaN), so the result is right only as
+    ``jaxpar.nn.embed_lookup`` makes it: those rows kept, the others zero, and the shares summed."""
+    operand = ins[0]
+    split = {a for d in eqn.params["dimension_numbers"].start_index_map for a in operand.dims[d] or ()}
+    made = {a: f"{_where(eqn)} looks up rows of a table split" for a in sorted(split & axes) if a not in partial}
+    return _Value((None,) * len(eqn.outvars[0].aval.shape), {**partial, **made})
 
 
 def _union(a, b):
