@@ -67,7 +67,7 @@ BAD_INPUT = [
     ("train --strategy stage=2,fsdp=4 --schedule interleaved-1f1b --chunks 1", "pass --chunks 2 or more"),
     ("train --chunks 0", "--schedule interleaved-1f1b --chunks 2"),  # not --chunks 1, which is the default
     ("train --strategy block=4,context=3", "on 8 devices e.g. --strategy data=2,block=4,context=2 or data=2,block=4,context=4"),
-    ("train --strategy fsdp=8,foo=bar", "'foo' in strategy 'fsdp=8,foo=bar' is not a mesh axis or an option; the axes are stage,"),
+    ("train --strategy fsdp=8,foo=bar", "'foo' in strategy 'fsdp=8,foo=bar' is not a mesh axis or an option; the axes are federation, stage,"),
     ("train --strategy data=8,param_shards=4", "the strategy has no fsdp axis (fsdp=1); use fsdp= a multiple of 4 above it, "
      "e.g. fsdp=8,param_shards=4"),
     ("train --strategy fsdp=8,param_shards=3", "over all of fsdp): one of 2, 4; or drop param_shards"),

@@ -15,7 +15,7 @@ def parse_spec(text, num_devices):
 
 def test_fill_takes_the_remaining_devices():
     spec = parse_spec("data=2,fsdp=-1,tensor=2", 16)
-    assert spec.degrees == {"stage": 1, "data": 2, "fsdp_group": 1, "fsdp": 4, "expert": 1, "block": 1, "context": 1, "context_a2a": 1, "tp_x": 1, "tp_y": 1, "tensor": 2}
+    assert spec.degrees == {"federation": 1, "stage": 1, "data": 2, "fsdp_group": 1, "fsdp": 4, "expert": 1, "block": 1, "context": 1, "context_a2a": 1, "tp_x": 1, "tp_y": 1, "tensor": 2}
 
 
 @pytest.mark.parametrize(
@@ -46,7 +46,7 @@ def test_dcn_goes_to_data_and_stage_only():
 def test_mesh_has_every_canonical_axis_in_order():
     mesh = make_mesh(parse_spec("fsdp=4,tensor=2", 8))
     assert mesh.axis_names == AXES
-    assert dict(mesh.shape) == {"stage": 1, "data": 1, "fsdp_group": 1, "fsdp": 4, "expert": 1, "block": 1, "context": 1, "context_a2a": 1, "tp_x": 1, "tp_y": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"federation": 1, "stage": 1, "data": 1, "fsdp_group": 1, "fsdp": 4, "expert": 1, "block": 1, "context": 1, "context_a2a": 1, "tp_x": 1, "tp_y": 1, "tensor": 2}
 
 
 def test_hybrid_order_keeps_ici_groups_inside_a_slice():

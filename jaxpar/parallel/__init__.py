@@ -13,6 +13,7 @@ A strategy string names mesh-axis degrees and options, e.g.::
     "fsdp=4,context=2"             FSDP x context parallelism (ring attention over 2 devices)
     "fsdp=2,block=4"               FSDP x block parallelism (a block diffusion model's noisy blocks over 4)
     "tp_x=2,tp_y=2,fsdp=2"         AxoNN's 4D TP: embed over tp_x, heads/mlp/vocab over tp_y, Z = fsdp
+    "federation=2,fsdp=4"          FL+FSDP: two groups train their own copies, merged every local_steps steps
 
 Each strategy is one module of this package, or one folder with its runtime beside it
 (``context/``, ``block/``), and holds everything it is: the hooks of ``base.py``, each with a
@@ -35,12 +36,13 @@ import warnings
 
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import SpecError
-from jaxpar.parallel import axonn, block, context, data, delayed, expert, fsdp, hierarchical_zero, overlap, sequence, stage, tensor
+from jaxpar.parallel import (axonn, block, context, data, delayed, expert, federation, fsdp, hierarchical_zero, overlap, sequence, stage,
+                             tensor)
 from jaxpar.parallel.base import hooks
 from jaxpar.rules import LOGICAL_AXES, Layout
 
 STRATEGIES = tuple(hooks(module) for module in (
-    stage, data, hierarchical_zero, fsdp, expert, block, context, axonn, tensor, sequence, delayed, overlap))
+    federation, stage, data, hierarchical_zero, fsdp, expert, block, context, axonn, tensor, sequence, delayed, overlap))
 OPTIONS = {key: (module, *parse) for module in STRATEGIES for key, parse in module.OPTIONS.items()}
 AXES = tuple(a for module in STRATEGIES for a in module.AXES)  # the mesh's axes, outermost (slowest links) first
 DCN_AXES = frozenset(a for module in STRATEGIES if module.CROSSES_DCN for a in module.AXES)  # may cross slices

@@ -1,0 +1,78 @@
+"""Federated sharded data parallelism over ``federation`` (FL+FSDP, FL+HSDP, the DiLoCo family).
+
+``federation=G`` splits the devices into G groups (the outermost mesh axis, which may cross the
+slow links between slices). Each group trains its own copy of the model under the rest of the
+strategy (``"federation=2,fsdp=4"``: FL+FSDP; ``"federation=2,data=2,fsdp=2"``: FL+HSDP) on its
+own rows of every global batch, with its own optimizer, for ``local_steps`` steps; then the copies
+merge, shard by shard between the devices that hold the same shard in each group (one all-reduce
+over ``federation``: 2 (Psi / n) (G - 1) / G bytes per device for G groups of n devices):
+
+- ``outer=avg``: the copies' mean (xFFL's federated averaging);
+- ``outer=sgd`` / ``outer=nesterov``: an outer optimizer steps the model as of the last merge by
+  the mean pseudo-gradient (that model minus each copy): momentum SGD, or Nesterov momentum
+  (DiLoCo: ``outer_lr=0.7``, ``outer_momentum=0.9``, the defaults), each group keeping the
+  model and the outer momentum (the same in every group, so the merge moves nothing else).
+
+Each group's inner optimizer state stays its own (AdamW's moments are never averaged) unless
+``merge_opt_state=on``. Nothing crosses ``federation`` between merges: each group's step is its
+own program on its own devices (``train/federated.py``'s ``FederatedTrainer``). With ``federation=1`` a run is the
+inner strategy's, bitwise.
+"""
+
+from jaxpar.errors import SpecError
+from jaxpar.parallel.base import count_option, option_of, switch
+
+AXES = ("federation",)
+CROSSES_DCN = True  # the merges are its only traffic, every local_steps steps
+OUTER = ("avg", "sgd", "nesterov")
+
+
+def _rate(key: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise SpecError(f"option {key}={text!r}: give a finite number, 0 or more (e.g. {key}=0.7)")
+    return value
+
+
+OPTIONS = {
+    "local_steps": (count_option(lambda n: n >= 1, "give the inner steps between merges, 1 or more (e.g. local_steps=8)"), 8),
+    "outer": (option_of({name: name for name in OUTER}, f"use one of {', '.join(OUTER)}"), "avg"),
+    "outer_lr": (_rate, 0.7),
+    "outer_momentum": (_rate, 0.9),
+    "merge_opt_state": (switch, False),
+}
+
+
+def check(strategy) -> None:
+    """Refuse federation options without ``federation`` to apply them to."""
+    given = sorted(set(strategy.given) & set(OPTIONS))
+    if given and strategy.degrees.get("federation", 1) == 1:
+        raise SpecError(f"option {given[0]} is for federated training; add federation=G (G groups, e.g. federation=2) "
+                        f"or drop {given[0]}")
+    if strategy.options["outer_momentum"] >= 1:
+        raise SpecError(f"option outer_momentum={strategy.options['outer_momentum']}: a momentum of 1 or more never "
+                        "forgets a step; give one below 1 (DiLoCo's is 0.9)")
+
+
+def rules(strategy, compute: dict, stored: dict) -> None:
+    compute["batch"] = AXES + compute["batch"]  # each group its own rows
+
+
+def roles(strategy) -> dict:
+    return {"federation": AXES}
+
+
+def check_run(planned, cfg) -> None:
+    """The ordinary step would all-reduce every gradient over ``federation``: refuse it."""
+    if planned.role("federation"):
+        raise SpecError(f"federation={planned_degree(planned)} trains one copy of the model per group, merged every "
+                        "local_steps steps: jaxpar.train.federated.FederatedTrainer runs it (the one-program step, "
+                        "jaxpar train's and jaxpar compile's, does not); federation=1 runs the rest of the strategy")
+
+
+def planned_degree(planned) -> int:
+    mesh = getattr(planned, "mesh", None)
+    return mesh.shape["federation"] if mesh is not None else planned.degrees["federation"]

@@ -1,0 +1,187 @@
+"""Federated training over ``federation=G`` (``parallel/federation``): G copies of the model, one per
+group of devices, each trained by its own ``Trainer`` under the rest of the strategy, merged every
+``local_steps`` steps.
+
+Between merges nothing crosses ``federation``: a group's step is compiled for the group's own
+devices (the global mesh's slice at its index), so each group's program can hold no collective
+over the other groups' devices. A merge is one program over the whole mesh: each group's arrays
+are stacked along a new leading dim split over ``federation`` (each shard reshaped where it lives:
+nothing moves between devices), the mean over that dim is XLA's all-reduce
+over ``federation`` between the devices holding the same shard, and each group gets its slice of
+the result back, again without a copy between devices. The model as of the last merge (the
+anchor) and the outer optimizer's momentum live in every group, identical, so the outer step is
+computed where each shard lives and adds no traffic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar.errors import LayoutError
+from jaxpar.parallel import Strategy, build_layout, federation, parse_strategy
+from jaxpar.rules import Layout
+from jaxpar.train.config import TrainConfig
+from jaxpar.train.state import TrainState
+from jaxpar.train.step import Trainer
+
+
+class GroupState(NamedTuple):
+    """One group's copy: its TrainState, and (outer sgd or nesterov) the model as of the last merge
+    and the outer optimizer's state."""
+
+    train: TrainState
+    anchor: Any = None
+    outer: Any = None
+
+
+def inner_strategy(strategy: Strategy) -> str:
+    """The strategy each group runs: ``strategy`` without ``federation`` and its options."""
+    degrees = [f"{axis}={degree}" for axis, degree in strategy.written_degrees.items() if axis != "federation" and degree > 1]
+    options = [f"{key}={text}" for key, text in strategy.given.items() if key not in federation.OPTIONS]
+    return ",".join(degrees + options)
+
+
+def outer_optimizer(options: dict) -> optax.GradientTransformation | None:
+    """The outer optimizer of ``options["outer"]`` (None for plain averaging)."""
+    if options["outer"] == "avg":
+        return None
+    momentum = options["outer_momentum"] or None
+    return optax.sgd(options["outer_lr"], momentum=momentum, nesterov=options["outer"] == "nesterov" and momentum is not None)
+
+
+class FederatedTrainer:
+    """G ``Trainer``s, one per group of ``layout``'s ``federation`` axis, and their merges.
+
+    ``strategy``: the parsed strategy ``layout`` was built from (its federation options: local
+    steps, outer optimizer); the rest as for ``Trainer``. Each group reads ``batch_size / G``
+    rows of every global batch: group g rows [g b, (g + 1) b)."""
+
+    def __init__(self, layout: Layout, strategy: Strategy, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(), optimizer=None):
+        self.layout, self.options = layout, strategy.options
+        self.size = layout.mesh.shape["federation"]
+        inner = parse_strategy(inner_strategy(strategy), layout.mesh.size // self.size)
+        self.groups = [Trainer(_group_layout(layout, inner, g), model_fn, loss_fn, cfg, optimizer) for g in range(self.size)]
+        self.outer = outer_optimizer(self.options)
+        self._merge = None
+
+    @property
+    def local_steps(self) -> int:
+        return self.options["local_steps"]
+
+    def init(self, seed: int = 0) -> list[GroupState]:
+        """Every group's copy from the same seed (the same values), and its anchor and outer state."""
+        states = []
+        for group in self.groups:
+            train = group.init(seed)
+            anchor = jax.tree.map(jnp.copy, train.params) if self.outer else None
+            states.append(GroupState(train, anchor, self.outer.init(anchor) if self.outer else None))
+        return states
+
+    def put_process_batch(self, batch_size: int, rows) -> list:
+        """Each group's rows of a global batch of ``batch_size`` (``rows(start, stop)`` on the host,
+        as ``Trainer.put_process_batch`` takes it)."""
+        if batch_size % self.size:
+            raise LayoutError(f"batch of {batch_size} rows does not split over federation={self.size} groups; "
+                              f"use a multiple of {self.size}")
+        share = batch_size // self.size
+        return [group.put_process_batch(share, lambda a, b, g=g: rows(g * share + a, g * share + b))
+                for g, group in enumerate(self.groups)]
+
+    def step(self, states: list[GroupState], batches: list) -> tuple[list[GroupState], dict]:
+        """One step of every group on its batch (dispatched together: they run at once on their
+        devices), then the merge when ``local_steps`` steps have passed since the last. Metrics:
+        the mean loss over the groups (the global batch's), each group's, whether it merged."""
+        outs = [group.step(state.train, batch) for group, state, batch in zip(self.groups, states, batches)]
+        states = [state._replace(train=train) for state, (train, _) in zip(states, outs)]
+        losses = [float(metrics["loss"]) for _, metrics in outs]
+        merged = int(states[0].train.step) % self.local_steps == 0
+        if merged:
+            states = self.merge(states)
+        return states, {"loss": float(np.mean(losses)), "group_losses": losses, "merged": merged}
+
+    def merge(self, states: list[GroupState]) -> list[GroupState]:
+        """The groups' copies merged (averaged, or stepped by the outer optimizer), shard by shard."""
+        stacked = _stack(self.layout.mesh, [_mergeable(state, self.options) for state in states])
+        if self._merge is None:  # each group's slice stays on its devices
+            self._merge = jax.jit(self.merge_fn(), out_shardings=jax.tree.map(lambda x: x.sharding, stacked), donate_argnums=0)
+        merged = _unstack(self.groups, self._merge(stacked))
+        return [_merged_state(state, new, self.options) for state, new in zip(states, merged)]
+
+    def merge_fn(self):
+        """The merge on stacked arrays (a leading dim of G, one entry per group): a pure function of
+        {"params", "anchor", "outer", "opt"} whose only communication is the mean over that dim."""
+        outer, merge_opt = self.outer, self.options["merge_opt_state"]
+
+        def mean(tree):
+            return jax.tree.map(lambda x: jnp.broadcast_to(jnp.mean(x, axis=0, keepdims=True), x.shape)
+                                if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+        def merge(stacked: dict) -> dict:
+            out = dict(stacked)
+            if outer is None:
+                out["params"] = mean(stacked["params"])
+            else:  # the mean pseudo-gradient: the anchor minus the mean copy
+                delta = jax.tree.map(lambda a, p: a - p, stacked["anchor"], mean(stacked["params"]))
+                updates, out["outer"] = outer.update(delta, stacked["outer"], stacked["anchor"])
+                out["anchor"] = optax.apply_updates(stacked["anchor"], updates)
+                out["params"] = jax.tree.map(jnp.copy, out["anchor"])
+            if merge_opt:
+                out["opt"] = mean(stacked["opt"])
+            return out
+
+        return merge
+
+
+def _group_layout(layout: Layout, inner: Strategy, g: int) -> Layout:
+    """Group ``g``'s layout: ``inner``'s rules on the global mesh's slice at federation index g
+    (the same devices in the same places, so a group's shards are the stacked arrays' shards)."""
+    index = layout.mesh.axis_names.index("federation")
+    devices = np.take(layout.mesh.devices, [g], axis=index)
+    built = build_layout(inner, list(devices.flat))
+    return dataclasses.replace(built, mesh=Mesh(devices, layout.mesh.axis_names, axis_types=layout.mesh.axis_types))
+
+
+def _mergeable(state: GroupState, options: dict) -> dict:
+    """What a merge reads of a group's state."""
+    out = {"params": state.train.params}
+    if state.anchor is not None:
+        out.update(anchor=state.anchor, outer=state.outer)
+    if options["merge_opt_state"]:
+        out["opt"] = state.train.opt_state
+    return out
+
+
+def _merged_state(state: GroupState, new: dict, options: dict) -> GroupState:
+    train = state.train._replace(params=new["params"], opt_state=new["opt"] if options["merge_opt_state"] else state.train.opt_state)
+    return GroupState(train, new.get("anchor"), new.get("outer"))
+
+
+def _stack(mesh: Mesh, trees: list) -> Any:
+    """The groups' trees as one, each leaf with a leading dim of G split over ``federation``, made
+    of the groups' own device buffers (a group's leaf of shape s is its slice (1, *s))."""
+    def stack(*leaves):
+        spec = leaves[0].sharding.spec
+        shards = [shard.data[None] for leaf in leaves for shard in leaf.addressable_shards]
+        sharding = NamedSharding(mesh, PartitionSpec("federation", *spec))
+        return jax.make_array_from_single_device_arrays((len(leaves), *leaves[0].shape), sharding, shards)
+
+    return jax.tree.map(stack, *trees)
+
+
+def _unstack(groups: list[Trainer], tree) -> list:
+    """``_stack``'s inverse: each group's slice of every leaf, on the group's devices."""
+    def part(g: int, leaf):
+        mesh = groups[g].layout.mesh
+        devices = set(mesh.devices.flat)
+        shards = [shard.data[0] for shard in leaf.addressable_shards if shard.device in devices]
+        spec = PartitionSpec(*leaf.sharding.spec[1:])
+        return jax.make_array_from_single_device_arrays(leaf.shape[1:], NamedSharding(mesh, spec), shards)
+
+    return [jax.tree.map(lambda leaf, g=g: part(g, leaf), tree) for g in range(len(groups))]

@@ -1,0 +1,154 @@
+"""Federated sharded data parallelism (``federation=G``, ``train/federated.py``) on a plain Flax model:
+federation=1 is the inner strategy bitwise; FL+HSDP with inner SGD, one local step and averaging
+is HSDP with SGD; FL+FSDP with inner AdamW and DiLoCo's outer Nesterov equals a one-device
+simulation of the algorithm written here for 3 outer steps; a group's step runs on its own devices
+only, and a merge's one collective is the all-reduce of each device's shard over ``federation``,
+2 (Psi / n) (G - 1) / G bytes; bad options are refused in words."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxpar.analysis import hlo
+from jaxpar.errors import JaxparError
+from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.train.federated import FederatedTrainer
+from jaxpar.train.step import TrainConfig, Trainer
+
+BATCH, STEPS = 16, 6
+CFG = TrainConfig(clip_norm=0.0)  # a group's norm is not the global batch's: compared without clipping
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        named = lambda names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
+        self.up = nnx.Linear(16, 64, kernel_init=named(("embed", "mlp")), use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(64, 16, kernel_init=named(("mlp", "embed")), use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+def loss_fn(model, batch):
+    return jnp.mean((model(batch[:, :16]) - jnp.sin(batch[:, 16:])) ** 2)
+
+
+def by_hand(params, batch):
+    """The same loss on a pure dict of weights, on one device (the simulation's)."""
+    out = jax.nn.gelu(batch[:, :16] @ params["up"]["kernel"]) @ params["down"]["kernel"]
+    return jnp.mean((out - jnp.sin(batch[:, 16:])) ** 2)
+
+
+BATCHES = [np.random.default_rng(i).standard_normal((BATCH, 32)).astype(np.float32) for i in range(STEPS)]
+
+
+def federated(text: str, optimizer, **options):
+    strategy = parse_strategy(text, 8)
+    strategy = dataclasses.replace(strategy, options=dict(strategy.options, **options))
+    return FederatedTrainer(build_layout(strategy), strategy, MLP, loss_fn, CFG, optimizer)
+
+
+def train(trainer, steps=STEPS):
+    states, losses = trainer.init(0), []
+    for batch in BATCHES[:steps]:
+        states, metrics = trainer.step(states, trainer.put_process_batch(BATCH, lambda a, b, batch=batch: batch[a:b]))
+        losses.append(metrics["loss"])
+    return states, losses
+
+
+def host(params):
+    return jax.tree.map(np.asarray, params)
+
+
+def test_one_group_is_the_inner_strategy_bitwise():
+    states, losses = train(federated("federation=1,fsdp=8", optax.adamw(1e-2), local_steps=2))  # merges with itself 3 times
+    plain = Trainer(build_layout(parse_strategy("fsdp=8", 8)), MLP, loss_fn, CFG, optax.adamw(1e-2))
+    state, expected = plain.init(0), []
+    for batch in BATCHES:
+        state, metrics = plain.step(state, plain.put_batch(batch))
+        expected.append(float(metrics["loss"]))
+    assert losses == expected
+    jax.tree.map(np.testing.assert_array_equal, host(states[0].train.params), host(state.params))
+
+
+def test_fl_hsdp_with_sgd_and_one_local_step_is_hsdp():
+    states, losses = train(federated("federation=2,data=2,fsdp=2", optax.sgd(5e-2), local_steps=1))
+    hsdp = Trainer(build_layout(parse_strategy("data=4,fsdp=2", 8)), MLP, loss_fn, CFG, optax.sgd(5e-2))
+    state, expected = hsdp.init(0), []
+    for batch in BATCHES:
+        state, metrics = hsdp.step(state, hsdp.put_batch(batch))
+        expected.append(float(metrics["loss"]))
+    # fp32: the mean of the groups' updated weights against the update by the mean gradient
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    jax.tree.map(np.testing.assert_array_equal, host(states[0].train.params), host(states[1].train.params))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), host(states[0].train.params), host(state.params))
+
+
+def simulate_diloco(params, groups: int, local_steps: int, steps: int):
+    """DiLoCo on one device: each group's copy takes ``local_steps`` AdamW steps on its rows, then
+    the model as of the last merge is stepped by outer Nesterov SGD on the mean of (it minus each copy)."""
+    inner, outer = optax.adamw(1e-2), optax.sgd(0.7, momentum=0.9, nesterov=True)
+    anchor, outer_state = params, outer.init(params)
+    copies = [params] * groups
+    inner_states = [inner.init(params) for _ in range(groups)]
+    share = BATCH // groups
+    for step in range(steps):
+        for g in range(groups):
+            grads = jax.grad(by_hand)(copies[g], BATCHES[step][g * share:(g + 1) * share])
+            updates, inner_states[g] = inner.update(grads, inner_states[g], copies[g])
+            copies[g] = optax.apply_updates(copies[g], updates)
+        if (step + 1) % local_steps == 0:
+            delta = jax.tree.map(lambda a, *c: a - sum(c) / groups, anchor, *copies)
+            updates, outer_state = outer.update(delta, outer_state, anchor)
+            anchor = optax.apply_updates(anchor, updates)
+            copies = [anchor] * groups
+    return anchor
+
+
+def test_fl_fsdp_with_outer_nesterov_equals_a_simulation_of_diloco():
+    trainer = federated("federation=2,fsdp=4,local_steps=2,outer=nesterov", optax.adamw(1e-2))
+    initial = host(trainer.init(0)[0].train.params)
+    states, _ = train(trainer)  # 3 outer steps of 2 local steps
+    expected = simulate_diloco(initial, 2, 2, STEPS)
+    for state in states:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), host(state.train.params), host(expected))
+        jax.tree.map(np.testing.assert_array_equal, host(state.anchor), host(state.train.params))
+
+
+def test_groups_run_on_their_own_devices_and_a_merge_moves_each_shard_once():
+    trainer = federated("federation=2,fsdp=4", optax.adamw(1e-2))
+    states = trainer.init(0)
+    batches = trainer.put_process_batch(BATCH, lambda a, b: BATCHES[0][a:b])
+    own = [set(group.layout.mesh.devices.flat) for group in trainer.groups]
+    assert not own[0] & own[1]
+    for group, state, batch, devices in zip(trainer.groups, states, batches, own):
+        compiled = group.jit_step(batch).lower(state.train, batch).compile()
+        assert {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set} == devices
+    from jaxpar.train.federated import _mergeable, _stack
+
+    stacked = _stack(trainer.layout.mesh, [_mergeable(state, trainer.options) for state in states])
+    text = jax.jit(trainer.merge_fn()).lower(stacked).compile().as_text()
+    found = [c for c in hlo.collectives(text, trainer.layout.mesh) if not c.scalars]
+    psi = sum(leaf.nbytes for leaf in jax.tree.leaves(states[0].train.params))  # float32
+    assert [(c.kind, c.mesh_axes) for c in found] == [("all-reduce", ("federation",))] * len(found)
+    assert sum(c.bytes_per_execution * c.executions for c in found) == pytest.approx(2 * (psi / 4) * (2 - 1) / 2)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("federation=2,fsdp=4,local_steps=0", "local_steps='0'.*1 or more"),
+    ("federation=2,fsdp=4,outer=adam", "outer='adam'.*avg, sgd, nesterov"),
+    ("federation=2,fsdp=4,outer_momentum=1", "momentum of 1 or more"),
+    ("fsdp=8,local_steps=4", "add federation=G"),
+])
+def test_bad_options_are_refused_in_words(text, message):
+    with pytest.raises(JaxparError, match=message):
+        parse_strategy(text, 8)
+
+
+def test_the_one_program_step_refuses_federation():
+    with pytest.raises(JaxparError, match="FederatedTrainer runs it"):
+        Trainer(build_layout(parse_strategy("federation=2,fsdp=4", 8)), MLP, loss_fn, CFG)
