@@ -33,11 +33,12 @@ from jaxpar.train.step import Trainer
 
 
 class GroupState(NamedTuple):
-    """One group's copy: its TrainState, and (outer sgd or nesterov) the model as of the last merge
-    and the outer optimizer's state."""
+    """One group's copy: its TrainState, the model as of the last merge (the anchor: what a merge
+    measures each copy's change from, and what the outer optimizer steps) and (outer sgd or
+    nesterov) the outer optimizer's state."""
 
     train: TrainState
-    anchor: Any = None
+    anchor: Any
     outer: Any = None
 
 
@@ -80,7 +81,7 @@ class FederatedTrainer:
         states = []
         for group in self.groups:
             train = group.init(seed)
-            anchor = jax.tree.map(jnp.copy, train.params) if self.outer else None
+            anchor = jax.tree.map(jnp.copy, train.params)
             states.append(GroupState(train, anchor, self.outer.init(anchor) if self.outer else None))
         return states
 
@@ -97,44 +98,50 @@ class FederatedTrainer:
     def step(self, states: list[GroupState], batches: list) -> tuple[list[GroupState], dict]:
         """One step of every group on its batch (dispatched together: they run at once on their
         devices), then the merge when ``local_steps`` steps have passed since the last. Metrics:
-        the mean loss over the groups (the global batch's), each group's, whether it merged."""
+        the mean loss over the groups (the global batch's), each group's, and at a merge each
+        group's drift (the norm of its change since the last merge)."""
         outs = [group.step(state.train, batch) for group, state, batch in zip(self.groups, states, batches)]
         states = [state._replace(train=train) for state, (train, _) in zip(states, outs)]
         losses = [float(metrics["loss"]) for _, metrics in outs]
-        merged = int(states[0].train.step) % self.local_steps == 0
-        if merged:
-            states = self.merge(states)
-        return states, {"loss": float(np.mean(losses)), "group_losses": losses, "merged": merged}
+        metrics = {"loss": float(np.mean(losses)), "group_losses": losses, "drift": None}
+        if int(states[0].train.step) % self.local_steps == 0:
+            states, metrics["drift"] = self.merge(states)
+        return states, metrics
 
-    def merge(self, states: list[GroupState]) -> list[GroupState]:
-        """The groups' copies merged (averaged, or stepped by the outer optimizer), shard by shard."""
+    def merge(self, states: list[GroupState]) -> tuple[list[GroupState], list[float]]:
+        """(the groups' copies merged: averaged, or stepped by the outer optimizer, shard by shard;
+        each group's drift, the norm of its copy's change since the last merge)."""
         stacked = _stack(self.layout.mesh, [_mergeable(state, self.options) for state in states])
         if self._merge is None:  # each group's slice stays on its devices
-            self._merge = jax.jit(self.merge_fn(), out_shardings=jax.tree.map(lambda x: x.sharding, stacked), donate_argnums=0)
-        merged = _unstack(self.groups, self._merge(stacked))
-        return [_merged_state(state, new, self.options) for state, new in zip(states, merged)]
+            self._merge = jax.jit(self.merge_fn(), out_shardings=(jax.tree.map(lambda x: x.sharding, stacked), None),
+                                  donate_argnums=0)
+        merged, drift = self._merge(stacked)
+        return ([_merged_state(state, new, self.options) for state, new in zip(states, _unstack(self.groups, merged))],
+                [float(d) for d in np.asarray(drift)])
 
     def merge_fn(self):
         """The merge on stacked arrays (a leading dim of G, one entry per group): a pure function of
-        {"params", "anchor", "outer", "opt"} whose only communication is the mean over that dim."""
+        {"params", "anchor", "outer", "opt"} -> (the same merged, each group's drift) whose only
+        communication is the mean over that dim (and G floats of drift)."""
         outer, merge_opt = self.outer, self.options["merge_opt_state"]
 
         def mean(tree):
             return jax.tree.map(lambda x: jnp.broadcast_to(jnp.mean(x, axis=0, keepdims=True), x.shape)
                                 if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
-        def merge(stacked: dict) -> dict:
+        def merge(stacked: dict):
             out = dict(stacked)
+            change = jax.tree.map(lambda a, p: a - p, stacked["anchor"], stacked["params"])
+            drift = jnp.sqrt(sum(jnp.sum(jnp.square(c), axis=tuple(range(1, c.ndim))) for c in jax.tree.leaves(change)))
             if outer is None:
-                out["params"] = mean(stacked["params"])
+                out["anchor"] = mean(stacked["params"])
             else:  # the mean pseudo-gradient: the anchor minus the mean copy
-                delta = jax.tree.map(lambda a, p: a - p, stacked["anchor"], mean(stacked["params"]))
-                updates, out["outer"] = outer.update(delta, stacked["outer"], stacked["anchor"])
+                updates, out["outer"] = outer.update(mean(change), stacked["outer"], stacked["anchor"])
                 out["anchor"] = optax.apply_updates(stacked["anchor"], updates)
-                out["params"] = jax.tree.map(jnp.copy, out["anchor"])
+            out["params"] = jax.tree.map(jnp.copy, out["anchor"])
             if merge_opt:
                 out["opt"] = mean(stacked["opt"])
-            return out
+            return out, drift
 
         return merge
 
@@ -150,9 +157,9 @@ def _group_layout(layout: Layout, inner: Strategy, g: int) -> Layout:
 
 def _mergeable(state: GroupState, options: dict) -> dict:
     """What a merge reads of a group's state."""
-    out = {"params": state.train.params}
-    if state.anchor is not None:
-        out.update(anchor=state.anchor, outer=state.outer)
+    out = {"params": state.train.params, "anchor": state.anchor}
+    if state.outer is not None:
+        out["outer"] = state.outer
     if options["merge_opt_state"]:
         out["opt"] = state.train.opt_state
     return out
@@ -160,7 +167,7 @@ def _mergeable(state: GroupState, options: dict) -> dict:
 
 def _merged_state(state: GroupState, new: dict, options: dict) -> GroupState:
     train = state.train._replace(params=new["params"], opt_state=new["opt"] if options["merge_opt_state"] else state.train.opt_state)
-    return GroupState(train, new.get("anchor"), new.get("outer"))
+    return GroupState(train, new["anchor"], new.get("outer"))
 
 
 def _stack(mesh: Mesh, trees: list) -> Any:
