@@ -540,6 +540,13 @@ def _train(args) -> int:
         check_writable(args.metrics_json, "--metrics-json", room=8192 + 96 * run.steps)
     if args.dcp == "on":
         return _train_dcp(args, topology, run)
+    from jaxpar.parallel import parse_strategy, runner
+
+    own_runner = runner(parse_strategy(run.strategy, topology.num_chips))
+    if own_runner:
+        if launch.local_share(topology.num_chips, dist) != topology.num_chips:
+            raise JaxparError(f"--strategy {run.strategy} runs in one process yet; drop the multi-process options")
+        return _train_apart(args, topology, run, own_runner)
     launch.initialize(dist, topology.platform)
     record = _record(args, "train")
     try:
@@ -620,6 +627,24 @@ def _partial_metrics(path: str | None, run, topology):
             raise JaxparError(f"--metrics-json {path}: {err}") from None
 
     return write
+
+
+def _train_apart(args, topology, run, runner: str) -> int:
+    """``jaxpar train`` of a strategy that its own runner trains (``parallel.runner``: federation's
+    groups): its ``train`` and ``summary``, in one process, keeping no checkpoint yet."""
+    import importlib
+
+    from jaxpar.run import write_json_atomically
+
+    if args.checkpoint_dir:
+        raise JaxparError(f"--strategy {run.strategy} keeps no checkpoint yet; drop --checkpoint-dir")
+    module = importlib.import_module(runner)
+    report = module.train(run, topology)
+    print("\n".join(module.summary(report)))
+    if args.metrics_json:
+        write_json_atomically(args.metrics_json, report)
+        print(f"\nmetrics written to {args.metrics_json}")
+    return EXIT_OK
 
 
 def _train_dcp(args, topology, run) -> int:

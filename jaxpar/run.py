@@ -527,7 +527,7 @@ def _own_rows(run: RunConfig, cfg, train: corpus.Corpus, held: corpus.Corpus):
     return (*readers, lambda reader, step, a, b: reader.rows(step, a, b))
 
 
-def _batches(run: RunConfig, trainer: Trainer, cfg, tokens, held_out, own=None):
+def batch_source(run: RunConfig, trainer: Trainer, cfg, tokens, held_out, own=None):
     """(training corpus, held-out corpus, batch_of(corpus, step)) as the run's data settings say
     (``own``: the (training, held-out) corpora of ``--data``)."""
     if own is not None:
@@ -606,7 +606,7 @@ def run_training(
     tokens, held_out = data.split_corpus(data.corpus_tokens()) if own is None else (None, None)
     if own is None and run.seq_len >= len(held_out):
         raise JaxparError(f"--seq-len {run.seq_len} is longer than the held-out text ({len(held_out)} tokens); use a shorter one")
-    train, held, batch_of = _batches(run, trainer, cfg, tokens, held_out, own)  # too little text is refused here, before any work
+    train, held, batch_of = batch_source(run, trainer, cfg, tokens, held_out, own)  # too little text is refused here, before any work
     ckpt, board = _open_checkpoints(trainer, checkpoint, resume), None
     try:
         if ckpt is not None and own is not None:  # its checkpoints are read with it (jaxpar generate)

@@ -5,6 +5,7 @@ simulation of the algorithm written here for 3 outer steps; a group's step runs 
 only, and a merge's one collective is the all-reduce of each device's shard over ``federation``,
 2 (Psi / n) (G - 1) / G bytes; bad options are refused in words."""
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +14,13 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxpar import cli
 from jaxpar.analysis import hlo
 from jaxpar.errors import JaxparError
+from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.run import RunConfig, run_training
+from jaxpar.topology import load_topology
 from jaxpar.train.federated import FederatedTrainer
 from jaxpar.train.step import TrainConfig, Trainer
 
@@ -159,5 +164,35 @@ def test_bad_options_are_refused_in_words(text, message):
 
 
 def test_the_one_program_step_refuses_federation():
-    with pytest.raises(JaxparError, match="FederatedTrainer runs it"):
+    with pytest.raises(JaxparError, match="jaxpar train runs it, and jaxpar.train.federated.FederatedTrainer"):
         Trainer(build_layout(parse_strategy("federation=2,fsdp=4", 8)), MLP, loss_fn, CFG)
+
+
+def test_jaxpar_train_runs_the_groups_and_reports_the_merges(tmp_path, capsys):
+    """``jaxpar train`` of the main job's Llama under FL+FSDP: the first step's loss is HSDP's on the
+    same global batch (each group read its own rows of it), a merge every 2 steps with each group's
+    drift, and the bytes across the groups per step are one merge's over H against HSDP's every step."""
+    metrics = tmp_path / "metrics.json"
+    argv = ["train", "--strategy", "federation=2,fsdp=4,local_steps=2", "--steps", "4", "--batch-size", "8", "--seq-len", "32",
+            "--metrics-json", str(metrics)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 groups of 4 devices (fsdp=4 each), merging every 2 steps (avg)" in out and "merge at step 4: drift" in out
+    report = json.loads(metrics.read_text())
+    hsdp = run_training(RunConfig(model="tiny", strategy="data=2,fsdp=4", steps=1, batch_size=8, seq_len=32), load_topology("cpu-8"),
+                        progress=None)
+    assert report["losses"][0] == pytest.approx(hsdp["losses"][0], rel=1e-6)
+    assert [m["step"] for m in report["merges"]] == [2, 4] and all(d > 0 for m in report["merges"] for d in m["drift"])
+    merge = 2 * (llama.CONFIGS["tiny"].num_params() * 4 / 4) * (2 - 1) / 2  # float32 weights over fsdp=4
+    assert report["inter_group_bytes_per_step"] == {"federated": merge / 2, "hsdp": merge}
+    assert np.isfinite(report["held_out_loss"]) and report["losses"][-1] < report["losses"][0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--checkpoint-dir", "ckpt"], "keeps no checkpoint yet; drop --checkpoint-dir"),
+    (["--batch-size", "7"], "--batch-size 7 does not split over federation=2 groups"),
+    (["--eval-every", "2"], "--eval-every is not yet taken by a federated run"),
+])
+def test_jaxpar_train_refuses_what_a_federated_run_does_not_do_before_any_work(extra, message, capsys):
+    assert cli.main(["train", "--strategy", "federation=2,fsdp=4", "--steps", "2", *extra]) == cli.EXIT_BAD_INPUT
+    assert message in capsys.readouterr().err

@@ -157,6 +157,13 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
     )
 
 
+def runner(strategy: Strategy) -> str | None:
+    """The module whose ``train`` runs ``strategy`` where the one-program step cannot (a strategy's
+    ``RUNNER``, when its axes are in use), else None."""
+    return next((module.RUNNER for module in STRATEGIES
+                 if module.RUNNER and any(strategy.degrees.get(a, 1) > 1 for a in module.AXES)), None)
+
+
 def choose_regather(kept_bytes: float, state_bytes: float, memory_bytes: float | None) -> tuple[bool, str]:
     """(regather, why) under ``regather=auto``: the strategy that gathers stacked layers decides."""
     return next(choice for module in STRATEGIES if (choice := module.choose_regather(kept_bytes, state_bytes, memory_bytes)))

@@ -11,6 +11,8 @@ The static half, read before any device is used:
   slow links, its options (``{key: (parse(key, text), default)}``), logical axes kept whole where
   a dim is too short to split over its axes; ``NEEDS_MODEL``: what its axes need of a model, in
   words, where only some model families have it (``Family.axes`` lists the axes a family takes);
+  ``RUNNER``: the module whose ``train(run, topology, progress)`` trains a run that uses its axes,
+  where the one-program step cannot (federation's groups: ``jaxpar.federate``);
 - ``fold(degrees, num_devices)``: the degrees as written -> as the mesh holds them, and
   ``unfold(degrees, written)``: the mesh's degrees it re-split -> as written (``written_degrees``);
   ``reshape(degrees, options)``: where its options re-split the degrees;
@@ -99,6 +101,7 @@ CROSSES_DCN = False
 OPTIONS: dict = {}
 REPLICABLE: frozenset[str] = frozenset()
 NEEDS_MODEL: str | None = None
+RUNNER: str | None = None
 
 
 def fold(degrees: dict[str, int], num_devices: int) -> dict[str, int]:

@@ -24,6 +24,7 @@ from jaxpar.parallel.base import count_option, option_of, switch
 
 AXES = ("federation",)
 CROSSES_DCN = True  # the merges are its only traffic, every local_steps steps
+RUNNER = "jaxpar.federate"  # jaxpar train's loop over the groups
 OUTER = ("avg", "sgd", "nesterov")
 
 
@@ -69,8 +70,8 @@ def check_run(planned, cfg) -> None:
     """The ordinary step would all-reduce every gradient over ``federation``: refuse it."""
     if planned.role("federation"):
         raise SpecError(f"federation={planned_degree(planned)} trains one copy of the model per group, merged every "
-                        "local_steps steps: jaxpar.train.federated.FederatedTrainer runs it (the one-program step, "
-                        "jaxpar train's and jaxpar compile's, does not); federation=1 runs the rest of the strategy")
+                        "local_steps steps: jaxpar train runs it, and jaxpar.train.federated.FederatedTrainer (the "
+                        "one-program step, jaxpar compile's and a Trainer's, does not); federation=1 runs the rest of the strategy")
 
 
 def planned_degree(planned) -> int:
