@@ -546,7 +546,7 @@ def _train(args) -> int:
     if own_runner:
         if launch.local_share(topology.num_chips, dist) != topology.num_chips:
             raise JaxparError(f"--strategy {run.strategy} runs in one process yet; drop the multi-process options")
-        return _train_apart(args, topology, run, own_runner)
+        return _train_apart(args, topology, run, own_runner, checkpoint, resume)
     launch.initialize(dist, topology.platform)
     record = _record(args, "train")
     try:
@@ -629,17 +629,15 @@ def _partial_metrics(path: str | None, run, topology):
     return write
 
 
-def _train_apart(args, topology, run, runner: str) -> int:
+def _train_apart(args, topology, run, runner: str, checkpoint, resume: str) -> int:
     """``jaxpar train`` of a strategy that its own runner trains (``parallel.runner``: federation's
-    groups): its ``train`` and ``summary``, in one process, keeping no checkpoint yet."""
+    groups): its ``train`` and ``summary``, in one process."""
     import importlib
 
     from jaxpar.run import write_json_atomically
 
-    if args.checkpoint_dir:
-        raise JaxparError(f"--strategy {run.strategy} keeps no checkpoint yet; drop --checkpoint-dir")
     module = importlib.import_module(runner)
-    report = module.train(run, topology)
+    report = module.train(run, topology, checkpoint=checkpoint, resume=resume)
     print("\n".join(module.summary(report)))
     if args.metrics_json:
         write_json_atomically(args.metrics_json, report)

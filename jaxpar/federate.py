@@ -7,12 +7,14 @@ steps, and once more at the end if the last step is not a merge, so the run ends
 whose held-out loss is reported. The figures the federated papers compare: the global batch per
 merge (H global batches), the bytes each device sends across the groups per step (one merge's
 2 (Psi / n) (G - 1) / G every H steps, against HSDP's all-reduce of the same gradient shard every
-step) and each group's drift at each merge. No checkpoint is kept yet.
+step) and each group's drift at each merge. Checkpoints hold every group's state (its copy, its
+inner optimizer state, the anchor and the outer optimizer's), so a resumed run continues exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 
@@ -21,11 +23,12 @@ import numpy as np
 
 from jaxpar import scalars
 from jaxpar.errors import JaxparError
-from jaxpar.models import model_and_loss
+from jaxpar.models import config_record, model_and_loss
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.run import RunConfig, batch_source, devices_for, open_data, plan_run, run_model_config
 from jaxpar.topology import Topology
 from jaxpar.train import data
+from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
 from jaxpar.train.federated import FederatedTrainer, inner_strategy
 
 UNSUPPORTED = (("eval_every", "--eval-every"), ("init_from", "--init-from"), ("tensorboard", "--tensorboard"))
@@ -41,45 +44,94 @@ def check(run: RunConfig, groups: int) -> None:
                           f"give a multiple of {groups}")
 
 
-def train(run: RunConfig, topology: Topology, progress=sys.stderr) -> dict:
-    """Train ``run`` (whose strategy has ``federation=G``) and return its report."""
+def train(run: RunConfig, topology: Topology, progress=sys.stderr, checkpoint: CheckpointConfig | None = None,
+          resume: str = "never") -> dict:
+    """Train ``run`` (whose strategy has ``federation=G``) and return its report. With
+    ``checkpoint``, every group's state is saved every ``checkpoint.every`` steps and at the end
+    (one verified checkpoint of the groups' arrays stacked over ``federation``); ``resume="auto"``
+    continues from the newest that verifies."""
     log = (lambda message: print(message, file=progress, flush=True)) if progress else (lambda message: None)
+    strategy, plan, cfg, trainer = _planned(run, topology)
+    own = open_data(run, log)
+    tokens, held_out = data.split_corpus(data.corpus_tokens()) if own is None else (None, None)
+    train_rows, held, batch_of = batch_source(run, trainer, cfg, tokens, held_out, own)
+    ckpt = Checkpointer(checkpoint) if checkpoint else None
+    try:
+        states, start, history = _start(run, strategy, trainer, ckpt, resume, log)
+        meta = {"model": run.model, "strategy": str(strategy), "devices": trainer.layout.mesh.size, "processes": 1,
+                **config_record(cfg)}
+        states = _loop(run, trainer, states, start, history, lambda step: batch_of(train_rows, step), ckpt, meta, progress)
+    finally:
+        if ckpt:
+            ckpt.close()
+    held_batches = batch_of(held, 0)
+    held_losses = [float(group.jit_loss(batch)(state.train.params, batch))
+                   for group, state, batch in zip(trainer.groups, states, held_batches)]
+    return _report(run, strategy, trainer, plan, history, start, float(np.mean(held_losses)))
+
+
+def _planned(run: RunConfig, topology: Topology):
+    """(strategy, a group's RunPlan, model config, FederatedTrainer): every check before any work."""
     devices = devices_for(topology)
     strategy = parse_strategy(run.strategy, len(devices))
     groups = strategy.degrees["federation"]
     check(run, groups)
     inner = dataclasses.replace(run, strategy=inner_strategy(strategy), batch_size=run.batch_size // groups)
-    plan = plan_run(inner, topology, devices[: len(devices) // groups])  # a group's checks, before any work
+    plan = plan_run(inner, topology, devices[: len(devices) // groups])
     cfg = run_model_config(run)
     train_cfg = dataclasses.replace(run.train, total_steps=run.steps, memory_bytes=run.train.memory_bytes or topology.hbm_bytes)
-    trainer = FederatedTrainer(build_layout(strategy, devices, num_slices=topology.num_slices), strategy, *model_and_loss(cfg), train_cfg)
-    own = open_data(run, log)
-    tokens, held_out = data.split_corpus(data.corpus_tokens()) if own is None else (None, None)
-    train_rows, held, batch_of = batch_source(run, trainer, cfg, tokens, held_out, own)
-    states, losses, times, merges = trainer.init(run.seed), [], [], []
-    bar = scalars.Progress(0, run.steps, progress) if progress else None
-    for step in range(run.steps):
+    layout = build_layout(strategy, devices, num_slices=topology.num_slices)
+    return strategy, plan, cfg, FederatedTrainer(layout, strategy, *model_and_loss(cfg), train_cfg)
+
+
+def _start(run: RunConfig, strategy, trainer: FederatedTrainer, ckpt, resume: str, log):
+    """(the groups' states, first step, history so far): fresh, or the newest verified checkpoint's."""
+    fresh = {"losses": [], "step_times_s": [], "merges": []}
+    if ckpt is None or ckpt.latest_step() is None or resume == "never":
+        if ckpt is not None and ckpt.latest_step() is not None:
+            raise JaxparError(f"checkpoint directory {ckpt.directory} already holds checkpoints {ckpt.steps()}; pass --resume "
+                              "to continue from the latest, or choose another --checkpoint-dir")
+        return trainer.init(run.seed), 0, fresh
+
+    def same_run(meta):
+        if meta["strategy"] != str(strategy) or meta["model"] != run.model:
+            raise JaxparError(f"checkpoint in {ckpt.directory} is of {meta['model']} under {meta['strategy']}, not "
+                              f"{run.model} under {strategy}: resume with those, or start another --checkpoint-dir")
+
+    stacked, meta = ckpt.restore_newest_verified(trainer.abstract_stacked(), log, same_run)
+    log(f"resuming from checkpoint {meta['step']} in {ckpt.directory}")
+    return trainer.unstacked(stacked), meta["step"], meta["history"]
+
+
+def _loop(run: RunConfig, trainer: FederatedTrainer, states, start: int, history: dict, batch_at, ckpt, meta: dict, progress):
+    """The steps from ``start``: a merge every ``local_steps`` and at the last step, saving as
+    ``ckpt`` says; ``history`` gets each step's loss and time and each merge's drifts."""
+    bar = scalars.Progress(start, run.steps, progress) if progress and start < run.steps else None
+    for step in range(start, run.steps):
         began = time.perf_counter()
-        states, metrics = trainer.step(states, batch_of(train_rows, step))
-        times.append(time.perf_counter() - began)
-        losses.append(metrics["loss"])
+        states, metrics = trainer.step(states, batch_at(step))
+        done = step + 1
+        if done == run.steps and metrics["drift"] is None:  # one model at the end
+            states, metrics["drift"] = trainer.merge(states)
+        history["step_times_s"].append(time.perf_counter() - began)
+        history["losses"].append(metrics["loss"])
         if metrics["drift"] is not None:
-            merges.append({"step": step + 1, "drift": metrics["drift"]})
+            history["merges"].append({"step": done, "drift": metrics["drift"]})
         if bar:
-            bar.update(step + 1, f"loss {losses[-1]:.3f}" + (" merged" if metrics["drift"] is not None else ""))
+            bar.update(done, f"loss {metrics['loss']:.3f}" + (" merged" if metrics["drift"] is not None else ""))
+        if ckpt and ckpt.should_save(done, run.steps):
+            ckpt.save(done, trainer.stacked(states), dict(meta, data={"seed": run.seed, "next_step": done},
+                                                          history=json.loads(json.dumps(history))))
     if bar:
         bar.close()
-    if run.steps % trainer.local_steps:  # one model at the end
-        states, drift = trainer.merge(states)
-        merges.append({"step": run.steps, "drift": drift, "last": True})
-    held_batches = batch_of(held, 0)
-    held_losses = [float(group.jit_loss(batch)(state.train.params, batch))
-                   for group, state, batch in zip(trainer.groups, states, held_batches)]
-    return _report(run, strategy, trainer, plan, losses, times, merges, float(np.mean(held_losses)))
+    if ckpt:
+        ckpt.wait()
+    return states
 
 
-def _report(run: RunConfig, strategy, trainer: FederatedTrainer, plan, losses, times, merges, held_out_loss) -> dict:
+def _report(run: RunConfig, strategy, trainer: FederatedTrainer, plan, history: dict, start: int, held_out_loss) -> dict:
     groups, local = trainer.size, trainer.local_steps
+    losses, times = history["losses"], history["step_times_s"]
     group_devices = trainer.groups[0].layout.mesh.size
     # each device's shard of the weights, as a group stores them: what a merge all-reduces
     shard = sum(np.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
@@ -89,7 +141,8 @@ def _report(run: RunConfig, strategy, trainer: FederatedTrainer, plan, losses, t
     return {
         "model": run.model, "strategy": str(strategy), "groups": groups, "devices_per_group": group_devices,
         "local_steps": local, "outer": trainer.options["outer"], "steps": run.steps, "batch_size": run.batch_size,
-        "seq_len": run.seq_len, "losses": losses, "step_times_s": times, "merges": merges, "held_out_loss": held_out_loss,
+        "seq_len": run.seq_len, "start_step": start, "losses": losses, "step_times_s": times, "merges": history["merges"],
+        "held_out_loss": held_out_loss,
         "tokens_per_s": run.batch_size * run.seq_len / float(np.median(steady)),
         "global_batch_per_merge": {"rows": run.batch_size * local, "tokens": run.batch_size * local * run.seq_len},
         # bytes a device sends across the groups per step: a merge every H steps, or HSDP's all-reduce every step

@@ -67,3 +67,10 @@ def run_example(script: str, *args: str) -> str:
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
+
+
+def trimmed_copy(source, target, last_step: int):
+    """A copy of checkpoint directory ``source`` holding its checkpoints up to ``last_step``, and
+    not its lock: what a run interrupted after ``last_step`` would have left."""
+    shutil.copytree(source, target, ignore=lambda d, names: [n for n in names if os.path.samefile(d, source) and
+                                                             (n == "jaxpar.lock" or (n.isdigit() and int(n) > last_step))])

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import trimmed_copy
 from flax import nnx
 
 from jaxpar import cli
@@ -21,6 +22,7 @@ from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.run import RunConfig, run_training
 from jaxpar.topology import load_topology
+from jaxpar.train.checkpoint import load_arrays
 from jaxpar.train.federated import FederatedTrainer
 from jaxpar.train.step import TrainConfig, Trainer
 
@@ -168,31 +170,40 @@ def test_the_one_program_step_refuses_federation():
         Trainer(build_layout(parse_strategy("federation=2,fsdp=4", 8)), MLP, loss_fn, CFG)
 
 
-def test_jaxpar_train_runs_the_groups_and_reports_the_merges(tmp_path, capsys):
-    """``jaxpar train`` of the main job's Llama under FL+FSDP: the first step's loss is HSDP's on the
-    same global batch (each group read its own rows of it), a merge every 2 steps with each group's
-    drift, and the bytes across the groups per step are one merge's over H against HSDP's every step."""
-    metrics = tmp_path / "metrics.json"
-    argv = ["train", "--strategy", "federation=2,fsdp=4,local_steps=2", "--steps", "4", "--batch-size", "8", "--seq-len", "32",
-            "--metrics-json", str(metrics)]
-    assert cli.main(argv) == 0
+def test_jaxpar_train_runs_the_groups_reports_the_merges_and_resumes_bitwise(tmp_path, capsys):
+    """``jaxpar train`` of the main job's Llama under FL+FSDP with DiLoCo's outer step: the first
+    step's loss is HSDP's on the same global batch (each group read its own rows of it), a merge
+    every 2 steps with each group's drift, the bytes across the groups per step one merge's over H
+    against HSDP's every step. Its checkpoints hold every group's copy, inner optimizer state,
+    anchor and outer momentum (stacked over ``federation``, verified on the way back): resumed
+    from step 3, between two merges, the run ends where the uninterrupted one did, bitwise."""
+    argv = ["train", "--strategy", "federation=2,fsdp=4,local_steps=2,outer=nesterov", "--steps", "5", "--batch-size", "8",
+            "--seq-len", "32", "--checkpoint-every", "3"]
+    assert cli.main([*argv, "--checkpoint-dir", str(tmp_path / "a"), "--metrics-json", str(tmp_path / "a.json")]) == 0
     out = capsys.readouterr().out
-    assert "2 groups of 4 devices (fsdp=4 each), merging every 2 steps (avg)" in out and "merge at step 4: drift" in out
-    report = json.loads(metrics.read_text())
+    assert "2 groups of 4 devices (fsdp=4 each), merging every 2 steps (nesterov)" in out and "merge at step 4: drift" in out
+    report = json.loads((tmp_path / "a.json").read_text())
     hsdp = run_training(RunConfig(model="tiny", strategy="data=2,fsdp=4", steps=1, batch_size=8, seq_len=32), load_topology("cpu-8"),
                         progress=None)
     assert report["losses"][0] == pytest.approx(hsdp["losses"][0], rel=1e-6)
-    assert [m["step"] for m in report["merges"]] == [2, 4] and all(d > 0 for m in report["merges"] for d in m["drift"])
+    assert [m["step"] for m in report["merges"]] == [2, 4, 5] and all(d > 0 for m in report["merges"] for d in m["drift"])
     merge = 2 * (llama.CONFIGS["tiny"].num_params() * 4 / 4) * (2 - 1) / 2  # float32 weights over fsdp=4
     assert report["inter_group_bytes_per_step"] == {"federated": merge / 2, "hsdp": merge}
     assert np.isfinite(report["held_out_loss"]) and report["losses"][-1] < report["losses"][0]
+    trimmed_copy(tmp_path / "a", tmp_path / "b", 3)  # as if stopped after step 3
+    assert cli.main([*argv, "--checkpoint-dir", str(tmp_path / "b"), "--metrics-json", str(tmp_path / "b.json"), "--resume"]) == 0
+    resumed = json.loads((tmp_path / "b.json").read_text())
+    assert resumed["start_step"] == 3 and resumed["losses"] == report["losses"] and resumed["held_out_loss"] == report["held_out_loss"]
+    a, _ = load_arrays(str(tmp_path / "a"))
+    b, _ = load_arrays(str(tmp_path / "b"))
+    assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--checkpoint-dir", "ckpt"], "keeps no checkpoint yet; drop --checkpoint-dir"),
     (["--batch-size", "7"], "--batch-size 7 does not split over federation=2 groups"),
     (["--eval-every", "2"], "--eval-every is not yet taken by a federated run"),
 ])
 def test_jaxpar_train_refuses_what_a_federated_run_does_not_do_before_any_work(extra, message, capsys):
     assert cli.main(["train", "--strategy", "federation=2,fsdp=4", "--steps", "2", *extra]) == cli.EXIT_BAD_INPUT
     assert message in capsys.readouterr().err
+

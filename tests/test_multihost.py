@@ -5,7 +5,6 @@ import json
 import os
 import pickle
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -19,9 +18,10 @@ import pytest
 from jaxpar import cli, corpus, launch
 from jaxpar.errors import JaxparError
 from jaxpar.topology import load_topology
-from jaxpar.train.checkpoint import LOCK_NAME, CheckpointConfig, Checkpointer, flat_arrays, load_arrays
+from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer, flat_arrays, load_arrays
 from jaxpar.train.placement import BatchPlacement
 from jaxpar.run import RunConfig, build_trainer, open_data, run_training
+from conftest import trimmed_copy
 from tests.jobs.record_rows import recording
 from tests.test_corpus import assert_each_prediction_once_an_epoch, text_of
 
@@ -238,12 +238,6 @@ def test_explicit_process_flags_are_checked(capsys):
     assert "8 chips do not split evenly over 3 processes" in capsys.readouterr().err
 
 
-def _trimmed_copy(source, target, last_step: int):
-    """A copy of checkpoint directory ``source`` holding its checkpoints up to ``last_step`` (no lock)."""
-    shutil.copytree(source, target, ignore=lambda d, names: [n for n in names if os.path.samefile(d, source) and
-                                                             (n == LOCK_NAME or (n.isdigit() and int(n) > last_step))])
-
-
 @pytest.mark.slow
 def test_a_two_process_job_on_your_data_reads_each_token_once_an_epoch_and_resumes_elsewhere_on_the_same_batches(tmp_path, monkeypatch):
     """``--data`` (text, JSON Lines and Parquet files written here) packed into rows: the 2
@@ -286,7 +280,7 @@ def test_a_two_process_job_on_your_data_reads_each_token_once_an_epoch_and_resum
     assert_each_prediction_once_an_epoch(whole[:epoch], reader, train)
 
     def resume(source, last_step, target):
-        _trimmed_copy(source, target, last_step)
+        trimmed_copy(source, target, last_step)
         seen = []
         monkeypatch.setattr(BatchPlacement, "put_process", recording(seen))
         report = run_training(dataclasses.replace(run, strategy="data=2,tensor=4"), load_topology("cpu-8"), progress=None,

@@ -119,6 +119,32 @@ class FederatedTrainer:
         return ([_merged_state(state, new, self.options) for state, new in zip(states, _unstack(self.groups, merged))],
                 [float(d) for d in np.asarray(drift)])
 
+    def stacked(self, states: list[GroupState]) -> dict:
+        """The groups' states as one tree on the global mesh (each leaf's copies stacked along a
+        leading dim split over ``federation``): what a checkpoint holds."""
+        return _stack(self.layout.mesh, [state._asdict() for state in states])
+
+    def unstacked(self, tree: dict) -> list[GroupState]:
+        """``stacked``'s inverse (a restored checkpoint back into each group's devices)."""
+        parts = _unstack(self.groups, tree)
+        return [GroupState(TrainState(*part["train"]), part["anchor"], part["outer"]) for part in parts]
+
+    def abstract_stacked(self) -> dict:
+        """``stacked``'s shapes and shardings, from the model alone (nothing allocated): what a
+        checkpoint is restored into."""
+        train = self.groups[0].abstract_state()
+        outer = None
+        if self.outer is not None:  # the outer state's param-shaped leaves laid out as the weights
+            shapes = jax.eval_shape(self.outer.init, train.params)
+            outer = optax.tree_map_params(self.outer, lambda _, p: p, shapes, train.params)
+        group = GroupState(train, train.params, outer)._asdict()
+
+        def stack(leaf):
+            sharding = NamedSharding(self.layout.mesh, PartitionSpec("federation", *leaf.sharding.spec))
+            return jax.ShapeDtypeStruct((self.size, *leaf.shape), leaf.dtype, sharding=sharding)
+
+        return jax.tree.map(stack, group)
+
     def merge_fn(self):
         """The merge on stacked arrays (a leading dim of G, one entry per group): a pure function of
         {"params", "anchor", "outer", "opt"} -> (the same merged, each group's drift) whose only
