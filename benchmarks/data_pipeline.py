@@ -1,7 +1,7 @@
 """A user's own data and weights: tokenizing and caching a corpus, reading batches through Grain,
 and converting a Hugging Face Llama of about 1B parameters, all on files this script writes.
 
-    python benchmarks/data_pipeline.py [--megabytes 100] [--skip-convert]
+    python benchmarks/data_pipeline.py [--megabytes 100] [--skip-convert | --only-convert]
 
 1. A corpus of ``--megabytes`` MB of JSON Lines, made at run time from the standard library's
    docstrings (the built-in corpus, ``train.data``), each document numbered so that none repeats:
@@ -12,16 +12,20 @@ and converting a Hugging Face Llama of about 1B parameters, all on files this sc
    process at the main job's shapes (16 x 128) and at llama-1b's (8 x 2048), next to what a step
    consumes (the main job on this CPU; llama-1b at 40% MFU on an H100, 989 TFLOP/s bf16).
 3. ``jaxpar convert`` of a random Llama with llama-1b's shapes written in the Hugging Face layout
-   (bfloat16, two safetensors shards): seconds each way and the process's peak resident memory
-   (``ru_maxrss``) after each, against the checkpoint's size.
+   (bfloat16, two safetensors shards), each way in a process of its own as the command runs:
+   seconds, and the peak resident memory of each part (Linux's ``VmHWM``, reset between parts)
+   against the model's size in float32: reading and placing the weights, the checkpoint's
+   checksums, orbax's write; orbax's read, the checksums, writing the safetensors files.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import ctypes
 import json
+import multiprocessing
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -131,29 +135,67 @@ def converting(directory: str):
         json.dump(dict(hf.hf_config(cfg), max_position_embeddings=2048, torch_dtype="bfloat16"), f)
     size = sum(os.path.getsize(os.path.join(source, f)) for f in set(index.values()))
     params = sum(int(np.prod(s)) for s in shapes.values())
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model = 4 * params
+    print(f"convert: {params / 1e9:.2f}B parameters, {size / 1e9:.2f} GB of bfloat16 safetensors ({model / 1e9:.2f} GB in float32)")
+    spawn = multiprocessing.get_context("spawn")
+    for way, target, named in (("--from-hf", "ckpt", ("read and placed", "checksums", "orbax's write")),
+                               ("--to-hf", "back", ("orbax's read", "checksums", "safetensors written"))):
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as fresh:  # a process of its own, as the command
+            seconds, before, parts = fresh.submit(_one_way, way, source, os.path.join(directory, target)).result()
+        source = os.path.join(directory, target)  # the next way reads what this one wrote
+        peak = max(p for p, _ in parts)
+        text = ", ".join(f"{name} {p / 1e9:.2f} / {now / 1e9:.2f}" for name, (p, now) in zip(named, parts))
+        print(f"  {way:9} {seconds:6.1f} s, peak resident {peak / 1e9:.2f} GB ({peak / model:.1f}x the float32 model; "
+              f"{before / 1e9:.2f} GB before); each part's peak / resident at its end, GB: {text}")
+
+
+def _one_way(way: str, source: str, target: str) -> tuple[float, int, list]:
+    """One way of ``jaxpar convert`` in this process: (seconds, resident bytes before, [(peak,
+    resident) of each part]), the parts parted by the checkpoint's checksum program."""
+    from jaxpar import hf
+    from jaxpar.train import checkpoint as checkpoint_lib
+
+    parts = []
+    checksums = checkpoint_lib.state_checksums
+
+    def measured(*args, **kwargs):
+        parts.append(_peak_since_last())
+        out = checksums(*args, **kwargs)
+        parts.append(_peak_since_last())
+        return out
+
+    checkpoint_lib.state_checksums = measured
+    before = _peak_since_last()[1]
     began = time.perf_counter()
-    hf.from_hf(source, os.path.join(directory, "ckpt"))
-    into = time.perf_counter() - began
-    peak_in = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    began = time.perf_counter()
-    hf.to_hf(os.path.join(directory, "ckpt"), os.path.join(directory, "back"))
-    out = time.perf_counter() - began
-    peak_out = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(f"convert: {params / 1e9:.2f}B parameters, {size / 1e9:.2f} GB of bfloat16 safetensors "
-          f"({4 * params / 1e9:.2f} GB in float32)")
-    print(f"  --from-hf: {into:6.1f} s, peak resident {peak_in / 1e9:.2f} GB (before: {before / 1e9:.2f} GB)")
-    print(f"  --to-hf:   {out:6.1f} s, peak resident {peak_out / 1e9:.2f} GB")
+    (hf.from_hf if way == "--from-hf" else hf.to_hf)(source, target)
+    seconds = time.perf_counter() - began
+    return seconds, before, parts + [_peak_since_last()]
+
+
+def _peak_since_last() -> tuple[int, int]:
+    """(this process's peak resident bytes since the last call, those resident now): Linux's VmHWM
+    and VmRSS. Then the memory freed is given back to the system (glibc's malloc_trim), so that the
+    next part's peak counts what it holds, not what the allocator kept of the part before, and the
+    peak is reset (clear_refs)."""
+    with open("/proc/self/status") as f:
+        status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith(("VmHWM:", "VmRSS:"))}
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status["VmHWM"], status["VmRSS"]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megabytes", type=float, default=100.0)
-    parser.add_argument("--skip-convert", action="store_true")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--skip-convert", action="store_true")
+    which.add_argument("--only-convert", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as directory:
-        opened = caching(directory, args.megabytes)
-        reading(opened["bpe-8192"])
+        if not args.only_convert:
+            opened = caching(directory, args.megabytes)
+            reading(opened["bpe-8192"])
         if not args.skip_convert:
             converting(directory)
     sys.stdout.flush()

@@ -492,6 +492,8 @@ def _convert_parser(sub, chosen: str | None):  # no config class: its options ar
     p.add_argument("--to-hf", metavar="DIR", help="with --from: the Hugging Face directory to write")
     p.add_argument("--name", default="hf-llama", help="with --from-hf: the model's name in the checkpoint")
     p.add_argument("--step", type=int, help="with --from: the checkpoint to write (default: the newest)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="with --to-hf: the largest safetensors file, as Hugging Face's max_shard_size (default 5GB; e.g. 500MB, 2GiB)")
     return p
 
 
@@ -502,7 +504,10 @@ def _convert(args) -> int:
     from jaxpar import hf
 
     say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    done = hf.from_hf(args.from_hf, args.to, args.name, say) if args.from_hf else hf.to_hf(args.from_checkpoint, args.to_hf, args.step, say)
+    if args.from_hf:
+        done = hf.from_hf(args.from_hf, args.to, args.name, say)
+    else:
+        done = hf.to_hf(args.from_checkpoint, args.to_hf, args.step, say, hf.shard_size_bytes(args.max_shard_size))
     print(f"wrote {done['tensors']} tensors to {done['directory']}")
     return EXIT_OK
 

@@ -101,6 +101,8 @@ class CheckpointConfig:
     keep: int = flag(3, name="keep-checkpoints", given=True, metavar="N",
                      help="keep the last N checkpoints; older ones go once one of these verifies (default 3)")
     async_save: bool = True  # write in the background while training goes on
+    # GB of arrays orbax writes at once (None: its default, 96), which bounds a save's host memory; each shard must be smaller
+    save_concurrent_gb: float | None = None
 
 
 def flat_arrays(tree) -> dict:
@@ -338,7 +340,8 @@ class Checkpointer:
             max_to_keep=None, create=create and writer, cleanup_tmp_directories=writer,
             enable_async_checkpointing=cfg.async_save,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        bounded = {"state": ocp.StandardCheckpointHandler(save_concurrent_gb=cfg.save_concurrent_gb)} if cfg.save_concurrent_gb else None
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"), item_handlers=bounded)
 
     def _lock_for_the_job(self) -> _DirectoryLock | None:
         """Process 0 makes the directory and takes its lock; in a multi-process job every process
