@@ -187,6 +187,9 @@ def from_hf(source: str, target: str, name: str = "hf-llama", log=lambda message
     """Convert the Hugging Face Llama in ``source`` into a jaxpar checkpoint in ``target`` (which
     must hold none); returns what it wrote."""
     cfg, raw = read_config(source)
+    held = sorted(int(n) for n in os.listdir(target) if n.isdigit()) if os.path.isdir(target) else []
+    if held:  # before any tensor is read (and again when saving)
+        raise JaxparError(f"--to {target} already holds checkpoints {held}; give an empty directory")
     read, files = _reader(source)
     mesh = _devices_mesh()
     params, dtypes = {"layers": {}}, {}

@@ -94,6 +94,8 @@ def test_a_hugging_face_llama_converts_in_and_back_out(tmp_path, kind):
     spec = SPECS[kind]
     tensors = write_hf_llama(tmp_path / "hf", spec)
     from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), name=f"tiny-{kind}")
+    with pytest.raises(JaxparError, match=r"already holds checkpoints \[0\]; give an empty directory"):
+        from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))  # refused before any tensor is read
     model, meta = restore_model(str(tmp_path / "ckpt"), "llama")
     tokens = np.random.default_rng(1).integers(0, spec["vocab_size"], (2, 12))
     got, want = np.asarray(model(tokens)), reference_logits(tensors, spec, tokens)
