@@ -13,7 +13,6 @@ import numpy as np
 import optax
 import pytest
 from conftest import trimmed_copy
-from flax import nnx
 
 from jaxpar import cli
 from jaxpar.analysis import hlo
@@ -25,19 +24,10 @@ from jaxpar.topology import load_topology
 from jaxpar.train.checkpoint import load_arrays
 from jaxpar.train.federated import FederatedTrainer
 from jaxpar.train.step import TrainConfig, Trainer
+from tests.test_delayed_tp import PlainMlp as MLP  # a plain Flax MLP: nnx.Linear up, GELU, down
 
 BATCH, STEPS = 16, 6
 CFG = TrainConfig(clip_norm=0.0)  # a group's norm is not the global batch's: compared without clipping
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        named = lambda names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
-        self.up = nnx.Linear(16, 64, kernel_init=named(("embed", "mlp")), use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(64, 16, kernel_init=named(("mlp", "embed")), use_bias=False, rngs=rngs)
-
-    def __call__(self, x):
-        return self.down(jax.nn.gelu(self.up(x)))
 
 
 def loss_fn(model, batch):
