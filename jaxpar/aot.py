@@ -105,19 +105,8 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
                     train=train_cfg, explicit=explicit, **run_options)
     plan = plan_run(run, topology, target.devices, model_cfg, must_fit=False)  # the fit is what this reports
     trainer, batch, layout = Trainer.from_plan(plan.step), plan.example, plan.step.layout
-    try:
-        with scalars.working(f"compiling the step for {topology.name} ({target.compiler.upper()}, {n} devices)", progress):
-            compiled = trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        # XLA:TPU refuses a program that cannot fit; that is the answer to "does it fit?" (no, exit 1)
-        raise JobFailed(
-            f"{name} with batch {batch_size} x {seq_len} under "
-            f"{strategy} does not fit on {topology.name}: {str(err).splitlines()[0].split(': ', 1)[-1].rstrip('.')}. "
-            f"Try regather=on (FSDP gathers each layer again instead of keeping every layer's weights), a "
-            f"smaller --batch-size or --seq-len, or more sharding (tensor, fsdp)"
-        ) from None
+    with scalars.working(f"compiling the step for {topology.name} ({target.compiler.upper()}, {n} devices)", progress):
+        compiled = _compiled(trainer, batch, f"{name} with batch {batch_size} x {seq_len} under {strategy}", topology)
     if dump_hlo is not None:
         write_text_atomically(os.path.join(dump_hlo, "step.hlo.txt"), compiled.as_text())
 
@@ -154,6 +143,21 @@ def compile_report(model, topology: Topology, strategy_text: str, batch_size: in
         "roofline": estimate.as_dict(),
         "alternatives": rank_alternatives(trainer, strategy, topology, model_cfg, batch_size, model_length, alternatives),
     }
+
+
+def _compiled(trainer: Trainer, batch, what: str, topology: Topology):
+    """The step compiled for the target; a program XLA:TPU refuses for its size is the answer to
+    "does it fit?": no (a JobFailed, exit 1), with what to try."""
+    try:
+        return trainer.jit_step(batch).lower(trainer.abstract_state(), batch).compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        raise JobFailed(
+            f"{what} does not fit on {topology.name}: {str(err).splitlines()[0].split(': ', 1)[-1].rstrip('.')}. "
+            f"Try regather=on (FSDP gathers each layer again instead of keeping every layer's weights), a "
+            f"smaller --batch-size or --seq-len, or more sharding (tensor, fsdp)"
+        ) from None
 
 
 def _checked_plan(model, topology: Topology, strategy_text: str, batch_size: int, seq_len: int, cfg: TrainConfig,

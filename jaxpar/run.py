@@ -624,11 +624,7 @@ def run_training(
         meta.update(data_meta, **({"run": record} if record is not None else {}))
         board = scalars.TensorBoard(run.tensorboard) if (run.tensorboard and lead) else None
         figures = _figures(run, trainer, cfg, topology, board) if board else None
-        if run.eval_every:
-            with scalars.working("compiling the held-out loss", progress if lead else None):
-                evaluate = _evaluator(trainer, plan.example, state, batch_of(held, 0))
-        else:
-            evaluate = None
+        evaluate = _evaluator(trainer, plan.example, state, batch_of(held, 0), progress if lead else None) if run.eval_every else None
         state, steps = _train_steps(run, trainer, compiled, state, start, resumed, lambda step: batch_of(train, step), ckpt, meta,
                                     progress if lead else None, catch_signals, figures, evaluate)
     except BaseException:
@@ -639,15 +635,7 @@ def run_training(
             board.close()
         raise
     report_progress("evaluating", steps.done)
-    held_out_loss, batch_report = None, {}
-    if not steps.interrupted:  # an interrupted run stops here, without the evaluation
-        if family.batch_report is not None:  # (before the held-out step, which consumes the state)
-            split = math.prod(trainer.layout.mesh.shape[a] for a in trainer.layout.axes_of("experts"))
-            # the batch from the host: the forward runs as XLA partitions it from the weights' layout
-            batch_report["batch_report"] = family.batch_report(trainer.merge(state.params), jax.device_get(batch_of(held, 0)), split)
-        # the compiled step's loss is the loss at the weights it is given (before its update): one
-        # more call of it on a held-out batch, whose updated state is dropped, costs no compile
-        held_out_loss = _scalar(compiled(state, batch_of(held, 0))[1]["loss"])
+    held_out_loss, batch_report = _at_the_end(trainer, family, compiled, state, steps, batch_of(held, 0))
     if board:
         if not steps.held_out or steps.held_out[-1][0] != steps.done:  # (--eval-every wrote this step's already)
             board.add(steps.done, {"eval/held_out_loss": held_out_loss})
@@ -657,9 +645,25 @@ def run_training(
     return _report(run, topology, trainer, strategy, cfg, start, steps, held_out_loss, model_length, analysis, ckpt)
 
 
-def _evaluator(trainer: Trainer, example, state, batch):
+def _at_the_end(trainer: Trainer, family, compiled, state, steps: _Steps, batch) -> tuple[float | None, dict]:
+    """(held-out loss on ``batch``, the family's batch report) after training; (None, {}) when
+    the run was interrupted, which stops without the evaluation."""
+    if steps.interrupted:
+        return None, {}
+    report = {}
+    if family.batch_report is not None:  # (before the held-out step, which consumes the state)
+        split = math.prod(trainer.layout.mesh.shape[a] for a in trainer.layout.axes_of("experts"))
+        # the batch from the host: the forward runs as XLA partitions it from the weights' layout
+        report["batch_report"] = family.batch_report(trainer.merge(state.params), jax.device_get(batch), split)
+    # the compiled step's loss is the loss at the weights it is given (before its update): one
+    # more call of it on a held-out batch, whose updated state is dropped, costs no compile
+    return _scalar(compiled(state, batch)[1]["loss"]), report
+
+
+def _evaluator(trainer: Trainer, example, state, batch, progress):
     """``evaluate(params)``: the held-out loss on ``batch`` (one compile, made here, before training)."""
-    compiled = trainer.jit_loss(example).lower(state.params, batch).compile()
+    with scalars.working("compiling the held-out loss", progress):
+        compiled = trainer.jit_loss(example).lower(state.params, batch).compile()
     return lambda params: _scalar(compiled(params, batch))
 
 
