@@ -59,7 +59,8 @@ def check(strategy) -> None:
 
 
 def rules(strategy, compute: dict, stored: dict) -> None:
-    compute["batch"] = AXES + compute["batch"]  # each group its own rows
+    if strategy.degrees.get("federation", 1) > 1:  # (a layout without groups keeps the batch axes it had)
+        compute["batch"] = AXES + compute["batch"]  # each group its own rows
 
 
 def roles(strategy) -> dict:
