@@ -111,12 +111,13 @@ def _loop(run: RunConfig, trainer: FederatedTrainer, states, start: int, history
         began = time.perf_counter()
         states, metrics = trainer.step(states, batch_at(step))
         done = step + 1
-        if done == run.steps and metrics["drift"] is None:  # one model at the end
-            states, metrics["drift"] = trainer.merge(states)
+        if done == run.steps and (metrics["drift"] is None or trainer.fragments > 1):  # one model at the end
+            states, metrics["drift"] = trainer.merge_all(states, but=metrics["fragment"])
+            metrics["fragment"] = None
         history["step_times_s"].append(time.perf_counter() - began)
         history["losses"].append(metrics["loss"])
         if metrics["drift"] is not None:
-            history["merges"].append({"step": done, "drift": metrics["drift"]})
+            history["merges"].append({"step": done, "drift": metrics["drift"], "fragment": metrics["fragment"]})
         if bar:
             bar.update(done, f"loss {metrics['loss']:.3f}" + (" merged" if metrics["drift"] is not None else ""))
         if ckpt and ckpt.should_save(done, run.steps):
@@ -164,6 +165,7 @@ def summary(report: dict) -> list[str]:
              f"(HSDP: {cross['hsdp']:,.0f}, {cross['hsdp'] / cross['federated']:.0f}x more)" if cross["federated"] else
              "one group: nothing crosses the groups"]
     for merge in report["merges"][-6:]:
-        lines.append(f"  merge at step {merge['step']}: drift " + ", ".join(f"{d:.4f}" for d in merge["drift"]))
+        part = "" if merge.get("fragment") is None else f" (fragment {merge['fragment']})"
+        lines.append(f"  merge at step {merge['step']}{part}: drift " + ", ".join(f"{d:.4f}" for d in merge["drift"]))
     lines.append(f"throughput {report['tokens_per_s']:,.0f} tokens/s (median step)")
     return lines

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from conftest import trimmed_copy
 
 from jaxpar import cli
@@ -197,3 +198,79 @@ def test_jaxpar_train_refuses_what_a_federated_run_does_not_do_before_any_work(e
     assert cli.main(["train", "--strategy", "federation=2,fsdp=4", "--steps", "2", *extra]) == cli.EXIT_BAD_INPUT
     assert message in capsys.readouterr().err
 
+
+
+class StackedMLP(nnx.Module):
+    """Four residual layers whose weights are one array stacked over "layers" (as nnx.scan leaves
+    them), then a plain Flax output layer."""
+
+    def __init__(self, rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("layers", "embed", "mlp"))
+        self.w = nnx.Param(init(rngs.params(), (4, 16, 16)))
+        self.out = nnx.Linear(16, 16, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("mlp", "embed")),
+                              use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in range(4):
+            x = x + jax.nn.gelu(x @ self.w[layer])
+        return self.out(x)
+
+
+def stacked_by_hand(params, batch):
+    x = batch[:, :16]
+    for layer in range(4):
+        x = x + jax.nn.gelu(x @ params["w"][layer])
+    return jnp.mean((x @ params["out"]["kernel"] - jnp.sin(batch[:, 16:])) ** 2)
+
+
+def simulate_streaming(params, groups: int, local_steps: int, fragments: int, batches: list):
+    """Streaming DiLoCo on one device: fragment f (layers [f L/F, (f + 1) L/F), and in fragment 0
+    the output layer) takes DiLoCo's outer Nesterov step on its own at steps (f + 1) H / F of
+    every H; the rest of each copy trains on."""
+    inner, outer = optax.adamw(1e-2), optax.sgd(0.7, momentum=0.9, nesterov=True)
+    params = jax.tree.map(jnp.asarray, params)
+    anchor, momentum = params, outer.init(params)
+    copies, states = [params] * groups, [inner.init(params) for _ in range(groups)]
+    share, size = BATCH // groups, 4 // fragments
+    for step, batch in enumerate(batches):
+        for g in range(groups):
+            grads = jax.grad(stacked_by_hand)(copies[g], batch[g * share:(g + 1) * share])
+            updates, states[g] = inner.update(grads, states[g], copies[g])
+            copies[g] = optax.apply_updates(copies[g], updates)
+        for f in range(fragments):
+            if (step + 1) % local_steps != (f + 1) * local_steps // fragments % local_steps:
+                continue
+            rows = slice(f * size, (f + 1) * size)
+            mine = lambda tree: {"w": tree["w"][rows], "out": tree["out"] if f == 0 else {"kernel": tree["out"]["kernel"][:0]}}  # noqa: E731
+            delta = jax.tree.map(lambda a, *c: a - sum(c) / groups, mine(anchor), *[mine(c) for c in copies])
+            trace = mine(momentum[0].trace)
+            updates, (moved, _) = outer.update(delta, (optax.TraceState(trace=trace), optax.EmptyState()), mine(anchor))
+            new = optax.apply_updates(mine(anchor), updates)
+
+            def put(tree, part):
+                return {"w": tree["w"].at[rows].set(part["w"]), "out": part["out"] if f == 0 else tree["out"]}
+
+            anchor = put(anchor, new)
+            momentum = (optax.TraceState(trace=put(momentum[0].trace, moved.trace)), momentum[1])
+            copies = [put(c, new) for c in copies]
+    return copies
+
+
+def test_fragments_merge_in_turn_as_a_simulation_of_streaming_diloco():
+    strategy = parse_strategy("federation=2,fsdp=4,local_steps=4,fragments=2,outer=nesterov", 8)
+    trainer = FederatedTrainer(build_layout(strategy), strategy, StackedMLP, loss_fn, CFG, optax.adamw(1e-2))
+    initial = host(trainer.init(0)[0].train.params)
+    states, merged, batches = trainer.init(0), [], BATCHES + BATCHES[:2]
+    for batch in batches:  # 8 steps: each fragment merges twice
+        states, metrics = trainer.step(states, trainer.put_process_batch(BATCH, lambda a, b, batch=batch: batch[a:b]))
+        merged.append(metrics["fragment"])
+    assert merged == [None, 0, None, 1, None, 0, None, 1]
+    expected = simulate_streaming(initial, 2, 4, 2, batches)
+    for state, copy in zip(states, expected):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), host(state.train.params), host(copy))
+    with pytest.raises(JaxparError, match="fragments=3 must divide the model's 4 layers and local_steps=4"):
+        strategy = parse_strategy("federation=2,fsdp=4,local_steps=4,fragments=3", 8)
+        FederatedTrainer(build_layout(strategy), strategy, StackedMLP, loss_fn, CFG)
+    with pytest.raises(JaxparError, match="this model stacks none"):
+        strategy = parse_strategy("federation=2,fsdp=4,fragments=2", 8)
+        FederatedTrainer(build_layout(strategy), strategy, MLP, loss_fn, CFG)

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.traverse_util import flatten_dict as flatten
+from flax.traverse_util import unflatten_dict as nest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.errors import LayoutError
@@ -70,7 +72,9 @@ class FederatedTrainer:
         inner = parse_strategy(inner_strategy(strategy), layout.mesh.size // self.size)
         self.groups = [Trainer(_group_layout(layout, inner, g), model_fn, loss_fn, cfg, optimizer) for g in range(self.size)]
         self.outer = outer_optimizer(self.options)
-        self._merge = None
+        self.fragments = self.options["fragments"]
+        self.layers = _check_fragments(self.groups[0], self.fragments, self.local_steps)
+        self._merges: dict[int, Any] = {}
 
     @property
     def local_steps(self) -> int:
@@ -103,21 +107,40 @@ class FederatedTrainer:
         outs = [group.step(state.train, batch) for group, state, batch in zip(self.groups, states, batches)]
         states = [state._replace(train=train) for state, (train, _) in zip(states, outs)]
         losses = [float(metrics["loss"]) for _, metrics in outs]
-        metrics = {"loss": float(np.mean(losses)), "group_losses": losses, "drift": None}
-        if int(states[0].train.step) % self.local_steps == 0:
-            states, metrics["drift"] = self.merge(states)
+        metrics = {"loss": float(np.mean(losses)), "group_losses": losses, "drift": None, "fragment": None}
+        due = self.fragment_due(int(states[0].train.step))
+        if due is not None:
+            states, metrics["drift"] = self.merge(states, due)
+            metrics["fragment"] = due
         return states, metrics
 
-    def merge(self, states: list[GroupState]) -> tuple[list[GroupState], list[float]]:
-        """(the groups' copies merged: averaged, or stepped by the outer optimizer, shard by shard;
-        each group's drift, the norm of its copy's change since the last merge)."""
+    def fragment_due(self, step: int) -> int | None:
+        """The fragment that merges after ``step`` steps, if any: fragment f every ``local_steps``
+        steps at offset (f + 1) H / F, so the F fragments' merges are spread evenly over the H steps."""
+        h, f = self.local_steps, self.fragments
+        return next((k for k in range(f) if step % h == (k + 1) * h // f % h), None)
+
+    def merge(self, states: list[GroupState], fragment: int = 0) -> tuple[list[GroupState], list[float]]:
+        """(the groups' copies of ``fragment`` merged: averaged, or stepped by the outer optimizer,
+        shard by shard; each group's drift, the norm of its fragment's change since its last merge)."""
         stacked = _stack(self.layout.mesh, [_mergeable(state, self.options) for state in states])
-        if self._merge is None:  # each group's slice stays on its devices
-            self._merge = jax.jit(self.merge_fn(), out_shardings=(jax.tree.map(lambda x: x.sharding, stacked), None),
-                                  donate_argnums=0)
-        merged, drift = self._merge(stacked)
+        if fragment not in self._merges:  # each group's slice stays on its devices
+            self._merges[fragment] = jax.jit(self.merge_fn(fragment), donate_argnums=0,
+                                             out_shardings=(jax.tree.map(lambda x: x.sharding, stacked), None))
+        merged, drift = self._merges[fragment](stacked)
         return ([_merged_state(state, new, self.options) for state, new in zip(states, _unstack(self.groups, merged))],
                 [float(d) for d in np.asarray(drift)])
+
+    def merge_all(self, states: list[GroupState], but: int | None = None) -> tuple[list[GroupState], list[float]]:
+        """Every fragment merged but ``but`` (one that just was): one model in every group; the
+        drift over them all."""
+        squares = np.zeros(self.size)
+        for fragment in range(self.fragments):
+            if fragment == but:
+                continue
+            states, drift = self.merge(states, fragment)
+            squares += np.square(drift)
+        return states, [float(d) for d in np.sqrt(squares)]
 
     def stacked(self, states: list[GroupState]) -> dict:
         """The groups' states as one tree on the global mesh (each leaf's copies stacked along a
@@ -145,11 +168,14 @@ class FederatedTrainer:
 
         return jax.tree.map(stack, group)
 
-    def merge_fn(self):
-        """The merge on stacked arrays (a leading dim of G, one entry per group): a pure function of
-        {"params", "anchor", "outer", "opt"} -> (the same merged, each group's drift) whose only
-        communication is the mean over that dim (and G floats of drift)."""
+    def merge_fn(self, fragment: int = 0):
+        """The merge of ``fragment`` on stacked arrays (a leading dim of G, one entry per group): a
+        pure function of {"params", "anchor", "outer", "opt"} -> (the same, that fragment merged,
+        each group's drift) whose only communication is the mean of the fragment over that dim
+        (and G floats of drift). A fragment is its share of the stacked layers (fragment 0 also
+        holds the weights outside them); the rest of every array is left as it is."""
         outer, merge_opt = self.outer, self.options["merge_opt_state"]
+        cuts, puts = _fragment_views(self.groups[0], self.fragments, self.layers, fragment)
 
         def mean(tree):
             return jax.tree.map(lambda x: jnp.broadcast_to(jnp.mean(x, axis=0, keepdims=True), x.shape)
@@ -157,19 +183,79 @@ class FederatedTrainer:
 
         def merge(stacked: dict):
             out = dict(stacked)
-            change = jax.tree.map(lambda a, p: a - p, stacked["anchor"], stacked["params"])
+            params, anchor = _cut(stacked["params"], cuts), _cut(stacked["anchor"], cuts)
+            change = jax.tree.map(lambda a, p: a - p, anchor, params)
             drift = jnp.sqrt(sum(jnp.sum(jnp.square(c), axis=tuple(range(1, c.ndim))) for c in jax.tree.leaves(change)))
             if outer is None:
-                out["anchor"] = mean(stacked["params"])
+                anchor = mean(params)
             else:  # the mean pseudo-gradient: the anchor minus the mean copy
-                updates, out["outer"] = outer.update(mean(change), stacked["outer"], stacked["anchor"])
-                out["anchor"] = optax.apply_updates(stacked["anchor"], updates)
-            out["params"] = jax.tree.map(jnp.copy, out["anchor"])
+                cut_state, put_state = _state_views(outer, stacked["outer"], cuts, puts)
+                updates, moved = outer.update(mean(change), cut_state, anchor)
+                out["outer"], anchor = put_state(moved), optax.apply_updates(anchor, updates)
+            out["anchor"], out["params"] = _put(stacked["anchor"], anchor, puts), _put(stacked["params"], anchor, puts)
             if merge_opt:
                 out["opt"] = mean(stacked["opt"])
             return out, drift
 
         return merge
+
+
+def _check_fragments(group: Trainer, fragments: int, local_steps: int) -> int:
+    """The model's stacked layers (0 where it stacks none), refusing fragments that do not divide
+    them or the local steps."""
+    layers = {shape[0] for path, shape in _shapes(group).items() if group.names[path][:1] == ("layers",)}
+    count = layers.pop() if len(layers) == 1 else 0
+    if fragments == 1:
+        return count
+    if not count:
+        raise LayoutError(f"fragments={fragments} merges the stacked layers a share at a time, and this model stacks none "
+                          f"(no weight whose first logical axis is 'layers'); use fragments=1")
+    if count % fragments or local_steps % fragments:
+        raise LayoutError(f"fragments={fragments} must divide the model's {count} layers and local_steps={local_steps}; "
+                          f"give a divisor of both")
+    return count
+
+
+def _shapes(group: Trainer) -> dict:
+    return {path: tuple(leaf.shape) for path, leaf in flatten(group.abstract_state().params).items()}
+
+
+def _fragment_views(group: Trainer, fragments: int, layers: int, fragment: int):
+    """(cuts, puts): trees shaped like the params, of each leaf's view of ``fragment`` on stacked
+    trees: ``cut(x)`` its part (layers [a, b) of a stacked leaf; the whole of another in fragment 0,
+    none of it in the others) and ``put(x, part)`` the leaf with that part replaced."""
+    a, b = fragment * layers // fragments, (fragment + 1) * layers // fragments
+
+    def views(path):
+        if fragments > 1 and group.names[path][:1] == ("layers",):
+            return (lambda x: x[:, a:b]), (lambda full, part: full.at[:, a:b].set(part))
+        if fragment == 0:
+            return (lambda x: x), (lambda full, part: part)
+        return (lambda x: x[:, :0]), (lambda full, part: full)
+
+    table = {path: views(path) for path in _shapes(group)}
+    return nest({p: cut for p, (cut, _) in table.items()}), nest({p: put for p, (_, put) in table.items()})
+
+
+def _cut(tree, cuts):
+    return jax.tree.map(lambda x, cut: cut(x), tree, cuts)
+
+
+def _put(tree, part, puts):
+    return jax.tree.map(lambda x, piece, put: put(x, piece), tree, part, puts)
+
+
+def _state_views(outer: optax.GradientTransformation, state, cuts, puts):
+    """(the outer optimizer's ``state`` cut to a fragment, ``put_state(moved)``: the whole state
+    with the fragment's part replaced by ``moved``'s): each copy of the params tree in it goes
+    through the views; its other fields are ``moved``'s."""
+    cut_state = optax.tree_map_params(outer, lambda x, cut: cut(x), state, cuts)
+    writers = optax.tree_map_params(outer, lambda _, put: put, state, puts, transform_non_params=lambda _: _moved)
+    return cut_state, lambda moved: jax.tree.map(lambda full, part, put: put(full, part), state, moved, writers)
+
+
+def _moved(full, part):
+    return part
 
 
 def _group_layout(layout: Layout, inner: Strategy, g: int) -> Layout:

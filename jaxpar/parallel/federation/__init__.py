@@ -14,7 +14,10 @@ over ``federation``: 2 (Psi / n) (G - 1) / G bytes per device for G groups of n 
   model and the outer momentum (the same in every group, so the merge moves nothing else).
 
 Each group's inner optimizer state stays its own (AdamW's moments are never averaged) unless
-``merge_opt_state=on``. Nothing crosses ``federation`` between merges: each group's step is its
+``merge_opt_state=on``. ``fragments=F`` (Streaming DiLoCo) merges the stacked layers a 1/F share at
+a time, fragment f at steps (f + 1) H / F of every H (fragment 0 also holds the weights outside
+the layers), so each merge sends 1/F of the bytes and the merges spread over the H steps; F must
+divide the layers and H. Nothing crosses ``federation`` between merges: each group's step is its
 own program on its own devices (``train/federated.py``'s ``FederatedTrainer``). With ``federation=1`` a run is the
 inner strategy's, bitwise.
 """
@@ -44,6 +47,8 @@ OPTIONS = {
     "outer_lr": (_rate, 0.7),
     "outer_momentum": (_rate, 0.9),
     "merge_opt_state": (switch, False),
+    "fragments": (count_option(lambda n: n >= 1, "give how many shares of the stacked layers merge in turn, 1 or more "
+                                                 "(e.g. fragments=4)"), 1),
 }
 
 
