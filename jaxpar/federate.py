@@ -117,7 +117,8 @@ def _loop(run: RunConfig, trainer: FederatedTrainer, states, start: int, history
         history["step_times_s"].append(time.perf_counter() - began)
         history["losses"].append(metrics["loss"])
         if metrics["drift"] is not None:
-            history["merges"].append({"step": done, "drift": metrics["drift"], "fragment": metrics["fragment"]})
+            fragment = metrics["fragment"] if trainer.fragments > 1 else None  # (None: the whole model)
+            history["merges"].append({"step": done, "drift": metrics["drift"], "fragment": fragment})
         if bar:
             bar.update(done, f"loss {metrics['loss']:.3f}" + (" merged" if metrics["drift"] is not None else ""))
         if ckpt and ckpt.should_save(done, run.steps):
