@@ -42,7 +42,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 LONGEST_FIRST = ["test_compile.py", "test_expert_parallel.py", "test_equivalence.py", "test_readme.py", "test_planner.py",
                  "test_examples.py", "test_pipeline.py", "test_context.py",
                  "test_any_model.py", "test_analysis_report.py", "test_compressed.py", "test_grad_sync.py", "test_multihost.py",
-                 "test_checkpoint.py", "test_main_job.py", "test_generate_cli.py", "test_mpmd.py", "test_kernels_ring.py",
+                 "test_checkpoint.py", "test_main_job.py", "test_generate_cli.py", "test_federated.py", "test_corpus.py",
+                 "test_convert.py", "test_mpmd.py", "test_kernels_ring.py",
                  "test_bd3lm_sampler.py", "test_bd3lm.py", "test_block_parallel.py", "test_llama_decode.py", "test_delayed_tp.py",
                  "test_check.py", "test_experts.py", "test_dcp.py", "test_kernels_quantize.py", "test_axonn.py", "test_wheel.py", "test_attention.py",
                  "test_collective_matmul.py"]
@@ -59,10 +60,13 @@ def pytest_sessionfinish(session):
         shutil.rmtree(owned, ignore_errors=True)
 
 
-def run_example(script: str, *args: str) -> str:
-    """Run examples/``script`` on 8 simulated CPU devices; its output, once it has exited 0."""
+def run_example(script: str, *args: str, compile_bound: bool = False) -> str:
+    """Run examples/``script`` on 8 simulated CPU devices; its output, once it has exited 0.
+    ``compile_bound``: it runs a few steps of several programs, so it keeps the suite's quick
+    compiles (``COMPILE_QUICKLY``) rather than the examples' ``RUN_QUICKLY``."""
     root = pathlib.Path(__file__).resolve().parent.parent
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ["XLA_FLAGS"].replace(COMPILE_QUICKLY, RUN_QUICKLY))
+    flags = os.environ["XLA_FLAGS"] if compile_bound else os.environ["XLA_FLAGS"].replace(COMPILE_QUICKLY, RUN_QUICKLY)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     result = subprocess.run([sys.executable, f"examples/{script}", *args], cwd=root, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{script} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"

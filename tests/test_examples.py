@@ -62,12 +62,12 @@ def test_own_data_example_checks_its_claim(tmp_path):
     """examples/own_data.py: a corpus in three formats, a BPE tokenizer trained on it, a run file;
     the held-out loss falls, and a plain Flax model fed by jaxpar.corpus trains under
     fsdp=4,tensor=2 as on one device."""
-    out = run_example("own_data.py", "--dir", str(tmp_path / "run"), "--steps", "8")
+    out = run_example("own_data.py", "--dir", str(tmp_path / "run"), "--steps", "8", compile_bound=True)
     assert "held-out loss by step: 2:" in out and "fsdp=4,tensor=2 against one device" in out
 
 
 def test_hf_weights_example_checks_its_claim(tmp_path):
     """examples/hf_weights.py: a trained Llama out to the Hugging Face layout in several files and
     back, bitwise; the fine-tune from it starts where the training left off."""
-    out = run_example("hf_weights.py", "--dir", str(tmp_path / "run"), "--steps", "6")
+    out = run_example("hf_weights.py", "--dir", str(tmp_path / "run"), "--steps", "6", compile_bound=True)
     assert "weights bitwise equal to the trained ones" in out and "the fine-tune starts at" in out
