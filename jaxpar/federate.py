@@ -22,6 +22,8 @@ import jax
 import numpy as np
 
 from jaxpar import scalars
+from jaxpar.collectives import compressed
+from jaxpar.collectives.quantize import wire_bits_per_value
 from jaxpar.errors import JaxparError
 from jaxpar.models import config_record, model_and_loss
 from jaxpar.parallel import build_layout, parse_strategy
@@ -140,6 +142,9 @@ def _report(run: RunConfig, strategy, trainer: FederatedTrainer, plan, history: 
     shard = sum(np.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
                 for leaf in jax.tree.leaves(trainer.groups[0].abstract_state().params))
     merge_bytes = 2.0 * float(shard) * (groups - 1) / groups
+    sync, wire = trainer.merge_sync, 1.0
+    if sync is not None:  # the compressed all-reduce's bits per value, scales included, against float32's
+        wire = wire_bits_per_value(compressed.DEFAULT_BITS[sync.scheme] if sync.bits is None else sync.bits, sync.scheme) / 32
     steady = times[1:] or times
     return {
         "model": run.model, "strategy": str(strategy), "groups": groups, "devices_per_group": group_devices,
@@ -149,7 +154,8 @@ def _report(run: RunConfig, strategy, trainer: FederatedTrainer, plan, history: 
         "tokens_per_s": run.batch_size * run.seq_len / float(np.median(steady)),
         "global_batch_per_merge": {"rows": run.batch_size * local, "tokens": run.batch_size * local * run.seq_len},
         # bytes a device sends across the groups per step: a merge every H steps, or HSDP's all-reduce every step
-        "inter_group_bytes_per_step": {"federated": merge_bytes / local, "hsdp": merge_bytes},
+        "inter_group_bytes_per_step": {"federated": merge_bytes * wire / local, "hsdp": merge_bytes},
+        "merge_sync": {"name": sync.name, "bits": sync.bits} if sync else {"name": "exact", "bits": None},
         "group_plan": {"strategy": str(plan.strategy), "path": trainer.groups[0].plan.path},
     }
 
@@ -164,7 +170,9 @@ def summary(report: dict) -> list[str]:
              f"global batch per merge: {report['global_batch_per_merge']['rows']} rows, "
              f"{report['global_batch_per_merge']['tokens']:,} tokens",
              f"bytes each device sends across the groups per step: {cross['federated']:,.0f} "
-             f"(HSDP: {cross['hsdp']:,.0f}, {cross['hsdp'] / cross['federated']:.0f}x more)" if cross["federated"] else
+             f"(HSDP: {cross['hsdp']:,.0f}, {cross['hsdp'] / cross['federated']:.0f}x more)"
+             + ("" if report["merge_sync"]["name"] == "exact" else f"; merges compressed ({report['merge_sync']['name']})")
+             if cross["federated"] else
              "one group: nothing crosses the groups"]
     for merge in report["merges"][-6:]:
         part = "" if merge.get("fragment") is None else f" (fragment {merge['fragment']})"

@@ -26,9 +26,11 @@ from flax.traverse_util import flatten_dict as flatten
 from flax.traverse_util import unflatten_dict as nest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar.collectives import compressed
 from jaxpar.errors import LayoutError
 from jaxpar.parallel import Strategy, build_layout, federation, parse_strategy
 from jaxpar.rules import Layout
+from jaxpar.train import grad_sync
 from jaxpar.train.config import TrainConfig
 from jaxpar.train.state import TrainState
 from jaxpar.train.step import Trainer
@@ -64,13 +66,16 @@ class FederatedTrainer:
 
     ``strategy``: the parsed strategy ``layout`` was built from (its federation options: local
     steps, outer optimizer); the rest as for ``Trainer``. Each group reads ``batch_size / G``
-    rows of every global batch: group g rows [g b, (g + 1) b)."""
+    rows of every global batch: group g rows [g b, (g + 1) b). ``cfg.grad_sync`` (dynamiq, int8)
+    compresses the merges (``merge_sync``), the reductions that cross the groups; a group's own
+    reductions stay exact unless ``cfg.grad_sync_axes`` names their axes."""
 
     def __init__(self, layout: Layout, strategy: Strategy, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(), optimizer=None):
         self.layout, self.options = layout, strategy.options
         self.size = layout.mesh.shape["federation"]
         inner = parse_strategy(inner_strategy(strategy), layout.mesh.size // self.size)
-        self.groups = [Trainer(_group_layout(layout, inner, g), model_fn, loss_fn, cfg, optimizer) for g in range(self.size)]
+        self.merge_sync, group_cfg = _split_sync(cfg, layout)
+        self.groups = [Trainer(_group_layout(layout, inner, g), model_fn, loss_fn, group_cfg, optimizer) for g in range(self.size)]
         self.outer = outer_optimizer(self.options)
         self.fragments = self.options["fragments"]
         self.layers = _check_fragments(self.groups[0], self.fragments, self.local_steps)
@@ -108,9 +113,10 @@ class FederatedTrainer:
         states = [state._replace(train=train) for state, (train, _) in zip(states, outs)]
         losses = [float(metrics["loss"]) for _, metrics in outs]
         metrics = {"loss": float(np.mean(losses)), "group_losses": losses, "drift": None, "fragment": None}
-        due = self.fragment_due(int(states[0].train.step))
+        step = int(states[0].train.step)
+        due = self.fragment_due(step)
         if due is not None:
-            states, metrics["drift"] = self.merge(states, due)
+            states, metrics["drift"] = self.merge(states, due, seed=step)
             metrics["fragment"] = due
         return states, metrics
 
@@ -120,25 +126,26 @@ class FederatedTrainer:
         h, f = self.local_steps, self.fragments
         return next((k for k in range(f) if step % h == (k + 1) * h // f % h), None)
 
-    def merge(self, states: list[GroupState], fragment: int = 0) -> tuple[list[GroupState], list[float]]:
+    def merge(self, states: list[GroupState], fragment: int = 0, seed: int = 0) -> tuple[list[GroupState], list[float]]:
         """(the groups' copies of ``fragment`` merged: averaged, or stepped by the outer optimizer,
-        shard by shard; each group's drift, the norm of its fragment's change since its last merge)."""
+        shard by shard; each group's drift, the norm of its fragment's change since its last merge).
+        ``seed``: the compressed merge's dither (the step: a new one at every merge)."""
         stacked = _stack(self.layout.mesh, [_mergeable(state, self.options) for state in states])
         if fragment not in self._merges:  # each group's slice stays on its devices
             self._merges[fragment] = jax.jit(self.merge_fn(fragment), donate_argnums=0,
                                              out_shardings=(jax.tree.map(lambda x: x.sharding, stacked), None))
-        merged, drift = self._merges[fragment](stacked)
+        merged, drift = self._merges[fragment](stacked, np.uint32(seed))
         return ([_merged_state(state, new, self.options) for state, new in zip(states, _unstack(self.groups, merged))],
                 [float(d) for d in np.asarray(drift)])
 
     def merge_all(self, states: list[GroupState], but: int | None = None) -> tuple[list[GroupState], list[float]]:
         """Every fragment merged but ``but`` (one that just was): one model in every group; the
         drift over them all."""
-        squares = np.zeros(self.size)
+        squares, step = np.zeros(self.size), int(states[0].train.step)
         for fragment in range(self.fragments):
             if fragment == but:
                 continue
-            states, drift = self.merge(states, fragment)
+            states, drift = self.merge(states, fragment, seed=step)
             squares += np.square(drift)
         return states, [float(d) for d in np.sqrt(squares)]
 
@@ -170,34 +177,79 @@ class FederatedTrainer:
 
     def merge_fn(self, fragment: int = 0):
         """The merge of ``fragment`` on stacked arrays (a leading dim of G, one entry per group): a
-        pure function of {"params", "anchor", "outer", "opt"} -> (the same, that fragment merged,
-        each group's drift) whose only communication is the mean of the fragment over that dim
-        (and G floats of drift). A fragment is its share of the stacked layers (fragment 0 also
-        holds the weights outside them); the rest of every array is left as it is."""
-        outer, merge_opt = self.outer, self.options["merge_opt_state"]
+        pure function of ({"params", "anchor", "outer", "opt"}, a uint32 dither seed) -> (the same,
+        that fragment merged, each group's drift) whose only communication is the mean of the
+        fragment over that dim (and G floats of drift). A fragment is its share of the stacked
+        layers (fragment 0 also holds the weights outside them); the rest of every array is left
+        as it is. Compressed (``merge_sync``), the mean is of each copy's change, through the
+        compressed all-reduce: the same bits in every group."""
+        outer, merge_opt, sync = self.outer, self.options["merge_opt_state"], self.merge_sync
         cuts, puts = _fragment_views(self.groups[0], self.fragments, self.layers, fragment)
+        specs = _stacked_specs(self.groups[0])  # (a fragment cuts the layers dim, which no spec splits)
 
         def mean(tree):
             return jax.tree.map(lambda x: jnp.broadcast_to(jnp.mean(x, axis=0, keepdims=True), x.shape)
                                 if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
-        def merge(stacked: dict):
+        def merge(stacked: dict, seed):
             out = dict(stacked)
             params, anchor = _cut(stacked["params"], cuts), _cut(stacked["anchor"], cuts)
             change = jax.tree.map(lambda a, p: a - p, anchor, params)
             drift = jnp.sqrt(sum(jnp.sum(jnp.square(c), axis=tuple(range(1, c.ndim))) for c in jax.tree.leaves(change)))
-            if outer is None:
-                anchor = mean(params)
+            if outer is None and sync is None:
+                anchor = mean(params)  # the copies' mean, as exact as one all-reduce of them
             else:  # the mean pseudo-gradient: the anchor minus the mean copy
-                cut_state, put_state = _state_views(outer, stacked["outer"], cuts, puts)
-                updates, moved = outer.update(mean(change), cut_state, anchor)
-                out["outer"], anchor = put_state(moved), optax.apply_updates(anchor, updates)
+                delta = mean(change) if sync is None else _compressed_mean(sync, self.layout.mesh, specs, change, seed)
+                if outer is None:
+                    anchor = jax.tree.map(lambda a, d: a - d, anchor, delta)
+                else:
+                    cut_state, put_state = _state_views(outer, stacked["outer"], cuts, puts)
+                    updates, moved = outer.update(delta, cut_state, anchor)
+                    out["outer"], anchor = put_state(moved), optax.apply_updates(anchor, updates)
             out["anchor"], out["params"] = _put(stacked["anchor"], anchor, puts), _put(stacked["params"], anchor, puts)
             if merge_opt:
                 out["opt"] = mean(stacked["opt"])
             return out, drift
 
         return merge
+
+
+def _split_sync(cfg: TrainConfig, layout: Layout) -> tuple[grad_sync.GradSync | None, TrainConfig]:
+    """(the merges' compressed sync, or None; the groups' config): ``cfg.grad_sync`` applies to
+    the merges when ``cfg.grad_sync_axes`` is unset (federation crosses the slow links) or names
+    ``federation``, and to a group's own reductions over the other axes it names."""
+    sync = grad_sync.resolve(cfg, layout)
+    if sync is None:
+        return None, cfg
+    axes = ("federation",) if cfg.grad_sync_axes is None else sync.axes
+    inside = tuple(a for a in axes if a != "federation")
+    group_cfg = (dataclasses.replace(cfg, grad_sync_axes=inside) if inside else
+                 dataclasses.replace(cfg, grad_sync="exact", grad_sync_bits=None, grad_sync_axes=None))
+    return (dataclasses.replace(sync, axes=("federation",)) if "federation" in axes else None), group_cfg
+
+
+def _stacked_specs(group: Trainer):
+    """Each weight's PartitionSpec stacked over ``federation`` (a tree shaped like the params)."""
+    return jax.tree.map(lambda leaf: PartitionSpec("federation", *leaf.sharding.spec), group.abstract_state().params)
+
+
+def _compressed_mean(sync: grad_sync.GradSync, mesh: Mesh, specs, tree, seed):
+    """The mean over the leading (group) dim of ``tree``'s stacked leaves through ``sync``'s
+    compressed all-reduce over ``federation``: each device's shards of every leaf packed into one
+    message, and the same bits back on every group."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups = mesh.shape["federation"]
+
+    def local(seed, *blocks):
+        total = compressed.all_reduce(grad_sync.pack(blocks), "federation", scheme=sync.scheme, bits=sync.bits, seed=seed,
+                                      min_size=sync.min_size, impl=sync.impl)
+        return tuple(piece.astype(block.dtype) for piece, block in
+                     zip(grad_sync.unpack(total / groups, [b.shape for b in blocks]), blocks))
+
+    leaf_specs = tuple(treedef.flatten_up_to(specs))
+    means = jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), *leaf_specs), out_specs=leaf_specs,
+                          check_vma=False)(seed, *leaves)
+    return treedef.unflatten(means)
 
 
 def _check_fragments(group: Trainer, fragments: int, local_steps: int) -> int:
