@@ -549,7 +549,7 @@ def _train(args) -> int:
 
     own_runner = runner(parse_strategy(run.strategy, topology.num_chips))
     if own_runner:
-        if launch.local_share(topology.num_chips, dist) != topology.num_chips:
+        if launch.local_share(topology.num_chips, dist) != topology.num_chips and not os.environ.get(launch.ENV_ROLE):
             raise JaxparError(f"--strategy {run.strategy} runs in one process yet; drop the multi-process options")
         return _train_apart(args, topology, run, own_runner, checkpoint, resume)
     launch.initialize(dist, topology.platform)
@@ -636,13 +636,16 @@ def _partial_metrics(path: str | None, run, topology):
 
 def _train_apart(args, topology, run, runner: str, checkpoint, resume: str) -> int:
     """``jaxpar train`` of a strategy that its own runner trains (``parallel.runner``: federation's
-    groups): its ``train`` and ``summary``, in one process."""
+    groups): its ``train`` and ``summary``, in one process (or, under ``jaxpar launch --learners``,
+    one learner, which reports nothing, or the syncer)."""
     import importlib
 
     from jaxpar.run import write_json_atomically
 
     module = importlib.import_module(runner)
     report = module.train(run, topology, checkpoint=checkpoint, resume=resume)
+    if report is None:
+        return EXIT_OK
     print("\n".join(module.summary(report)))
     if args.metrics_json:
         write_json_atomically(args.metrics_json, report)

@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from jaxpar import scalars
+from jaxpar import decoupled, scalars
 from jaxpar.collectives import compressed
 from jaxpar.collectives.quantize import wire_bits_per_value
 from jaxpar.errors import JaxparError
@@ -47,11 +47,14 @@ def check(run: RunConfig, groups: int) -> None:
 
 
 def train(run: RunConfig, topology: Topology, progress=sys.stderr, checkpoint: CheckpointConfig | None = None,
-          resume: str = "never") -> dict:
+          resume: str = "never") -> dict | None:
     """Train ``run`` (whose strategy has ``federation=G``) and return its report. With
     ``checkpoint``, every group's state is saved every ``checkpoint.every`` steps and at the end
     (one verified checkpoint of the groups' arrays stacked over ``federation``); ``resume="auto"``
     continues from the newest that verifies."""
+    if decoupled.role():  # one process of jaxpar launch --learners: a learner (which reports nothing) or the syncer
+        job = decoupled.job_of(run, topology, checkpoint)
+        return decoupled.learn(job, topology, progress) if decoupled.role() == "learner" else decoupled.sync(job, topology, progress)
     log = (lambda message: print(message, file=progress, flush=True)) if progress else (lambda message: None)
     strategy, plan, cfg, trainer = _planned(run, topology)
     own = open_data(run, log)
@@ -162,6 +165,8 @@ def _report(run: RunConfig, strategy, trainer: FederatedTrainer, plan, history: 
 
 def summary(report: dict) -> list[str]:
     """The report's lines for a terminal."""
+    if report.get("role") == "syncer":
+        return decoupled.summary(report)
     cross = report["inter_group_bytes_per_step"]
     lines = [f"{report['model']} under {report['strategy']}: {report['groups']} groups of {report['devices_per_group']} devices "
              f"({report['group_plan']['strategy']} each), merging every {report['local_steps']} steps ({report['outer']})",

@@ -38,6 +38,15 @@ ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
 ENV_STATUS_DIR = "JAXPAR_STATUS_DIR"  # where each process reports its progress to the launcher
 ENV_RESUME = "JAXPAR_RESUME"  # "auto" on a restart: resume from the last complete checkpoint if any
+# decoupled learners (jaxpar launch --learners): each process's part, and where the syncer's store is
+ENV_ROLE = "JAXPAR_ROLE"  # learner | syncer
+ENV_LEARNERS = "JAXPAR_LEARNERS"
+ENV_LEARNER = "JAXPAR_LEARNER"  # this learner's index
+ENV_SYNCER = "JAXPAR_SYNCER"  # HOST:PORT of the key-value store
+ENV_QUORUM = "JAXPAR_QUORUM"
+ENV_GRACE = "JAXPAR_GRACE"
+ENV_FAULTS = "JAXPAR_FAULTS"  # --inject-faults
+ENV_STARTUP_TIMEOUT = "JAXPAR_STARTUP_TIMEOUT"
 
 
 MULTI_HOST = "multi-host (jax.distributed; default: detect SLURM / Open MPI / Cloud TPU, else one process)"
@@ -123,6 +132,13 @@ def wait_for_coordinator(address: str, timeout_s: float):
 def local_share(num_chips: int, args: DistributedArgs = DistributedArgs(), environ=os.environ) -> int:
     """How many of a CPU topology's ``num_chips`` simulated devices each local process gets: all of
     them for one process, an equal share in a job whose process count is known up front."""
+    if environ.get(ENV_ROLE) == "syncer":  # it merges on the host: one device
+        return 1
+    if environ.get(ENV_ROLE) == "learner":  # its group's share
+        count = int(environ[ENV_LEARNERS])
+        if num_chips % count:
+            raise JaxparError(f"{num_chips} chips do not split evenly over {count} learners; use a learner count that divides {num_chips}")
+        return num_chips // count
     explicit = _explicit(args, environ) if args.mode != "off" else None
     count = explicit[1] if explicit else 1
     if num_chips % count:
@@ -188,10 +204,14 @@ def read_progress(directory: str, rank: int) -> dict | None:
 # --- the local launcher --------------------------------------------------------------------------
 
 
+LEARNERS = "decoupled learners (jaxpar launch --learners M -- jaxpar train --strategy federation=M,...)"
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     # jaxpar launch's options (jaxpar.flags)
-    processes: int = flag(2, commands=("launch",), help="processes to start on this machine (default 2)")
+    # None: 2 for one job; with --learners, each learner is one process (more are refused, yet)
+    processes: int | None = flag(None, commands=("launch",), help="processes to start on this machine (default 2)")
     # simulated CPU devices each; None: the topology's chips / processes
     devices_per_process: int | None = flag(None, commands=("launch",), help="simulated CPU devices per process (default: the topology's chips / processes)")
     max_restarts: int = flag(0, commands=("launch",), help="restart the whole job this many times after a failure (default 0)")
@@ -205,6 +225,15 @@ class LaunchConfig:
     port: int | None = flag(None, commands=("launch",), help="coordinator port on 127.0.0.1 (default: a free one)")
     # None: a fresh temporary directory
     status_dir: str | None = flag(None, commands=("launch",), help="where processes report progress (default: a temporary directory)")
+    # decoupled learners (jaxpar/decoupled.py): M jobs and a syncer instead of one job
+    learners: int | None = flag(None, metavar="M", commands=("launch",), group=LEARNERS, help=(
+        "run the command's federation=M groups as M separate learners and a syncer that merges them"))
+    quorum: int | None = flag(None, metavar="K", commands=("launch",), group=LEARNERS,
+                              help="merge a round once K learners have reported (default: all M)")
+    grace_s: float = flag(0.0, name="grace", metavar="S", commands=("launch",), group=LEARNERS,
+                          help="then wait up to S seconds more for the others (default 0); a later report is dropped")
+    inject_faults: str = flag("", metavar="SPEC", commands=("launch",), group=LEARNERS, help=(
+        "a fault drill: kill=I@STEP (learner I dies before STEP, once), slow=I:S (sleeps S s a step); comma-separated"))
 
 
 def _free_port() -> int:
@@ -294,19 +323,23 @@ class _Attempt:
         )
 
     def stop(self, grace_s: float = 5.0):
-        """SIGTERM every process group still running, SIGKILL after ``grace_s``."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for proc in self.procs:
-                if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, sig)
-                    except ProcessLookupError:
-                        pass
-            deadline = time.time() + grace_s
-            while time.time() < deadline and any(p.poll() is None for p in self.procs):
-                time.sleep(0.05)
-        for thread in self.threads:
-            thread.join(timeout=2.0)
+        _stop(self.procs, self.threads, grace_s)
+
+
+def _stop(procs, threads, grace_s: float = 5.0):
+    """SIGTERM every process group still running, SIGKILL after ``grace_s``; then their output threads."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + grace_s
+        while time.time() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+    for thread in threads:
+        thread.join(timeout=2.0)
 
 
 def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=None) -> int:
@@ -320,6 +353,11 @@ def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=None) -> 
     refuse it again). A status directory made here is removed on every way out."""
     if not command:
         raise JaxparError("a command is needed after '--', e.g. jaxpar launch --processes 2 -- jaxpar train")
+    if cfg.learners is not None:
+        return _launch_learners(command, cfg, out or sys.stdout)
+    if cfg.quorum is not None or cfg.grace_s or cfg.inject_faults:
+        raise JaxparError("--quorum, --grace and --inject-faults are for decoupled learners: add --learners M or drop them")
+    cfg = dataclasses.replace(cfg, processes=2 if cfg.processes is None else cfg.processes)
     if cfg.processes < 1:
         raise JaxparError(f"--processes {cfg.processes} must be at least 1")
     if cfg.devices_per_process is not None and cfg.devices_per_process < 1:
@@ -357,4 +395,169 @@ def launch(command: list[str], cfg: LaunchConfig = LaunchConfig(), out=None) -> 
         raise JobFailed(f"{why}; no restarts left (--max-restarts {cfg.max_restarts})")
     finally:
         if cfg.status_dir is None:  # ours: a temporary directory, not one the user named
+            shutil.rmtree(status_dir, ignore_errors=True)
+
+
+# --- decoupled learners: M jobs and a syncer around a key-value store ------------------------------
+
+
+def kv_service(port: int, nodes: int, heartbeat_timeout_s: int = 100):
+    """JAX's coordination service (the one ``jax.distributed`` starts in process 0) for ``nodes``
+    tasks, with recoverable tasks: one may die and connect again, and the others go on."""
+    from jax._src.lib import _jax  # JAX has no public constructor for the service alone
+
+    return _jax.get_distributed_runtime_service(f"[::]:{port}", nodes, heartbeat_timeout=heartbeat_timeout_s, recoverable=True)
+
+
+def kv_client(address: str, node: int, timeout_s: float):
+    """A connected client of ``kv_service`` as task ``node`` (its key-value store; no devices)."""
+    from jax._src.lib import _jax  # (as kv_service)
+
+    wait_for_coordinator(address, timeout_s)
+    client = _jax.get_distributed_runtime_client(address, node, init_timeout=int(timeout_s), use_compression=True)
+    client.connect()  # the first time, once every task has connected
+    return client
+
+
+def startup_timeout(environ=os.environ) -> float:
+    return float(environ.get(ENV_STARTUP_TIMEOUT, LaunchConfig.startup_timeout_s))
+
+
+def parse_faults(text: str, learners: int) -> dict[int, dict]:
+    """``--inject-faults``: ``kill=I@S`` (learner I kills itself before step S, on its first start)
+    and ``slow=I:SECONDS`` (learner I sleeps that long after each step), comma-separated:
+    {learner: {"kill": S, "slow": seconds}}."""
+    faults: dict[int, dict] = {}
+    for part in filter(None, text.split(",")):
+        kind, _, spec = part.partition("=")
+        try:
+            if kind == "kill":
+                who, at = spec.split("@")
+                faults.setdefault(int(who), {})["kill"] = int(at)
+            elif kind == "slow":
+                who, seconds = spec.split(":")
+                faults.setdefault(int(who), {})["slow"] = float(seconds)
+            else:
+                raise ValueError
+        except ValueError:
+            raise JaxparError(f"--inject-faults {part!r}: write kill=LEARNER@STEP or slow=LEARNER:SECONDS "
+                              "(e.g. kill=1@6,slow=2:0.5)") from None
+    wrong = [who for who in faults if not 0 <= who < learners]
+    if wrong:
+        raise JaxparError(f"--inject-faults names learner {wrong[0]}, but the learners are 0 to {learners - 1}")
+    return faults
+
+
+def _check_learners(cfg: LaunchConfig) -> int:
+    """The quorum, refusing in words what ``--learners`` cannot run."""
+    learners = cfg.learners
+    if learners < 1:
+        raise JaxparError(f"--learners {learners} must be at least 1")
+    quorum = learners if cfg.quorum is None else cfg.quorum
+    if not 1 <= quorum <= learners:
+        raise JaxparError(f"--quorum {quorum} must be between 1 and the {learners} learners: a merge waits for that many reports")
+    if cfg.grace_s < 0:
+        raise JaxparError(f"--grace {cfg.grace_s} must be 0 or more seconds")
+    if cfg.processes not in (None, 1):
+        raise JaxparError(f"--processes {cfg.processes}: each learner is one process yet; drop --processes")
+    if cfg.max_restarts < 0:
+        raise JaxparError(f"--max-restarts {cfg.max_restarts} must be 0 or more")
+    parse_faults(cfg.inject_faults, learners)
+    return quorum
+
+
+class _Learners:
+    """The syncer (task 0) and the learners (tasks 1..M) of a decoupled run, each restarted on its
+    own when it dies (``max_restarts`` times each), around the launcher's key-value store."""
+
+    def __init__(self, command, cfg: LaunchConfig, quorum: int, status_dir: str, out):
+        self.command, self.cfg, self.status_dir, self.out = command, cfg, status_dir, out
+        self.port = cfg.port or _free_port()
+        self.service = kv_service(self.port, cfg.learners + 1)
+        self.env = {ENV_LEARNERS: str(cfg.learners), ENV_SYNCER: f"127.0.0.1:{self.port}", ENV_QUORUM: str(quorum),
+                    ENV_GRACE: str(cfg.grace_s), ENV_FAULTS: cfg.inject_faults, ENV_STATUS_DIR: status_dir,
+                    ENV_STARTUP_TIMEOUT: str(cfg.startup_timeout_s), "PYTHONUNBUFFERED": "1"}
+        self.procs, self.threads, self.restarts = {}, [], dict.fromkeys(range(cfg.learners + 1), 0)
+        for task in range(cfg.learners + 1):
+            self.start(task)
+
+    def name(self, task: int) -> str:
+        return "syncer" if task == 0 else f"learner {task - 1}"
+
+    def start(self, task: int):
+        env = dict(os.environ, **self.env)
+        env.pop(ENV_RESUME, None)
+        env.update({ENV_ROLE: "syncer" if task == 0 else "learner", ENV_PROCESS_ID: str(task)})
+        if task:
+            env[ENV_LEARNER] = str(task - 1)
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+        if self.cfg.devices_per_process and task:
+            flags.append(f"--xla_force_host_platform_device_count={self.cfg.devices_per_process}")
+        env["XLA_FLAGS"] = " ".join(flags)
+        if self.restarts[task]:
+            env[ENV_RESUME] = "auto"
+        proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        prefix = "[syncer] " if task == 0 else f"[l{task - 1}] "
+        thread = threading.Thread(target=_pump, args=(proc.stdout, prefix, self.out), daemon=True)
+        thread.start()
+        self.procs[task] = proc
+        self.threads.append(thread)
+
+    def wait(self, poll_s: float = 0.2) -> int:
+        """Until the syncer finishes (0): each process that dies restarted while it has restarts
+        left; a refused input, or too few learners left for the quorum, ends the job."""
+        quorum, gone = int(self.env[ENV_QUORUM]), set()
+        while True:
+            code = self.procs[0].poll()
+            if code == 0:
+                self._let_learners_finish()
+                return 0
+            for task, proc in self.procs.items():
+                code = proc.poll()
+                if code in (None, 0) or task in gone:
+                    continue
+                why = f"{self.name(task)} (pid {proc.pid}) {_describe_exit(code)}"
+                if code == EXIT_BAD_INPUT:
+                    raise JaxparError(f"{why}: the command refused its input (its message is above); fix the command")
+                if self.restarts[task] < self.cfg.max_restarts:
+                    self.restarts[task] += 1
+                    self.out.write(f"jaxpar launch: {why}; restarting it (restart {self.restarts[task]} of {self.cfg.max_restarts})\n")
+                    self.start(task)
+                    continue
+                if task == 0 or self.cfg.learners - len(gone | {task}) < quorum:
+                    raise JobFailed(f"{why}; no restarts left (--max-restarts {self.cfg.max_restarts}), and the job cannot go on without it")
+                gone.add(task)
+                self.out.write(f"jaxpar launch: {why}; no restarts left: the others go on without it\n")
+            time.sleep(poll_s)
+
+    def _let_learners_finish(self):
+        """Learners end on the last merge's announcement; one still busy (slow, or restarting) has
+        nothing left to add: it gets the grace window and a little more, then is stopped."""
+        deadline = time.time() + self.cfg.grace_s + 30.0
+        while time.time() < deadline and any(p.poll() is None for p in self.procs.values()):
+            time.sleep(0.1)
+
+    def stop(self):
+        _stop(list(self.procs.values()), self.threads)
+        self.service.shutdown()
+
+
+def _launch_learners(command: list[str], cfg: LaunchConfig, out) -> int:
+    """``launch`` with ``--learners``: see ``jaxpar/decoupled.py``."""
+    quorum = _check_learners(cfg)
+    if shutil.which(command[0]) is None:
+        raise JaxparError(f"command {command[0]!r} was not found; give one, e.g. jaxpar launch --learners 2 -- jaxpar train")
+    status_dir = cfg.status_dir or tempfile.mkdtemp(prefix="jaxpar-launch-")
+    out.write(f"jaxpar launch: starting a syncer and {cfg.learners} learners (quorum {quorum}, grace {cfg.grace_s:g} s)\n")
+    try:
+        os.makedirs(status_dir, exist_ok=True)
+        job = _Learners(command, cfg, quorum, status_dir, out)
+        try:
+            code = job.wait()
+            out.write("jaxpar launch: the syncer made its last merge\n")
+            return code
+        finally:
+            job.stop()
+    finally:
+        if cfg.status_dir is None:
             shutil.rmtree(status_dir, ignore_errors=True)

@@ -1,0 +1,343 @@
+"""Decoupled learners: ``jaxpar launch --learners M --quorum K [--grace S] -- jaxpar train --strategy
+"federation=M,..." --checkpoint-dir DIR``: the M groups of a federated run as M separate jobs, each
+training at its own pace, and a syncer that merges them.
+
+Each learner is one process on its own devices (its share of the topology's), training the rest
+of the strategy on its rows of every global batch (learner i reads group i's rows, as
+``FederatedTrainer`` does) for ``local_steps`` steps from the newest merged model. Then it saves its
+state as a verified checkpoint (``DIR/learner-<i>``), reports the round and its tokens to the
+syncer, and waits for the round's merge. The syncer (one more process, one device) merges a round
+once K learners have reported and then either every learner has or ``grace`` seconds have passed:
+it reads each reporting learner's weights back from its checkpoint (verified: a merge never holds a
+partial update), averages them, or their changes for the outer optimizer, weighted by tokens, saves
+the merged model and the outer optimizer's state (``DIR/merged``, verified) and announces it.
+
+- A learner whose report comes after its round was merged is late: its update is dropped (the
+  syncer records it), and it goes on from the newest merged model.
+- A learner that dies is restarted by the launcher: it takes the newest merged model, keeps its own
+  inner optimizer state from its last checkpoint, and joins the round in progress; the others
+  go on meanwhile when the quorum allows.
+- The syncer restarted resumes from its newest merged checkpoint; reports wait in the store.
+
+Control goes through JAX's coordination service, the key-value store that ``jax.distributed``
+uses, hosted by the launcher with recoverable tasks (so one process may die and rejoin); the
+weights through the verified checkpoints. Keys: ``report/<round>/<learner>`` (JSON: tokens,
+checkpoint step) and ``merged/<round>`` (JSON: step, learners included, reports dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+
+from jaxpar import launch
+from jaxpar.errors import JaxparError
+from jaxpar.models import model_and_loss
+from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.run import RunConfig, batch_source, open_data, run_model_config
+from jaxpar.topology import Topology
+from jaxpar.train import data
+from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
+from jaxpar.train.federated import inner_strategy, outer_optimizer
+from jaxpar.train.step import Trainer
+
+POLL_S = 0.05  # how often the syncer looks for reports
+
+
+def role() -> str | None:
+    """'learner' or 'syncer' in a process that ``jaxpar launch --learners`` started, else None."""
+    return os.environ.get(launch.ENV_ROLE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What a learner or the syncer knows of the whole job."""
+
+    run: RunConfig
+    directory: str
+    learners: int
+    local_steps: int
+    options: dict  # federation's (outer optimizer)
+    keep: int  # checkpoints kept in each directory (--keep-checkpoints; every round is saved)
+
+    @property
+    def rounds(self) -> int:
+        return -(-self.run.steps // self.local_steps)
+
+    def round_end(self, round_: int) -> int:
+        """The step at which round ``round_`` ends (and its merged model starts the next)."""
+        return min((round_ + 1) * self.local_steps, self.run.steps)
+
+    def round_start(self, round_: int) -> int:
+        return min(round_ * self.local_steps, self.run.steps)
+
+
+def job_of(run: RunConfig, topology: Topology, checkpoint: CheckpointConfig | None, environ=os.environ) -> Job:
+    """The job ``run`` describes under the launcher's ``environ``, refusing in words what does not fit."""
+    learners = int(environ[launch.ENV_LEARNERS])
+    if checkpoint is None:
+        raise JaxparError("decoupled learners exchange weights through checkpoints: give --checkpoint-dir DIR")
+    strategy = parse_strategy(run.strategy, topology.num_chips)
+    groups = strategy.degrees.get("federation", 1)
+    if groups != learners:
+        raise JaxparError(f"--learners {learners} runs federation={learners}, but --strategy {run.strategy} has "
+                          f"federation={groups}; give federation={learners}")
+    if strategy.options["fragments"] != 1:
+        raise JaxparError("fragments are not yet merged by decoupled learners (each round merges the whole model); "
+                          "drop fragments=")
+    if run.batch_size % learners:
+        raise JaxparError(f"--batch-size {run.batch_size} does not split over {learners} learners; give a multiple of {learners}")
+    return Job(run, checkpoint.directory, learners, strategy.options["local_steps"], strategy.options, checkpoint.keep)
+
+
+def _keyed(prefix: str, entries) -> dict:
+    """{the last part of each key under ``prefix``: its JSON value}."""
+    return {key.rsplit("/", 1)[-1]: json.loads(value) for key, value in entries}
+
+
+class Exchange:
+    """This process's client of the launcher's key-value store (``launch.kv_client``)."""
+
+    def __init__(self, node: int, timeout_s: float):
+        self.client = launch.kv_client(os.environ[launch.ENV_SYNCER], node, timeout_s)
+
+    def report(self, round_: int, learner: int, record: dict):
+        self.client.key_value_set(f"report/{round_}/{learner}", json.dumps(record), allow_overwrite=True)
+
+    def reports(self, round_: int) -> dict[int, dict]:
+        return {int(k): v for k, v in _keyed(f"report/{round_}/", self.client.key_value_dir_get(f"report/{round_}/")).items()}
+
+    def announce(self, round_: int, record: dict):
+        self.client.key_value_set(f"merged/{round_}", json.dumps(record), allow_overwrite=True)
+
+    def merged(self) -> dict[int, dict]:
+        """{round: its merge's record} of every merge announced so far."""
+        return {int(k): v for k, v in _keyed("merged/", self.client.key_value_dir_get("merged/")).items()}
+
+    def wait_merged(self, after: int, poll_s: float = 0.2) -> int:
+        """The newest merged round, once it is past ``after``."""
+        while True:
+            done = self.merged()
+            if done and max(done) > after:
+                return max(done)
+            time.sleep(poll_s)
+
+
+# --- a learner ------------------------------------------------------------------------------------
+
+
+class _LearnerRows:
+    """Learner i's rows of every global batch: group i's of a ``FederatedTrainer``."""
+
+    def __init__(self, trainer: Trainer, learner: int, learners: int):
+        self.trainer, self.learner, self.learners = trainer, learner, learners
+
+    def put_process_batch(self, batch_size: int, rows):
+        share = batch_size // self.learners
+        first = self.learner * share
+        return self.trainer.put_process_batch(share, lambda a, b: rows(first + a, first + b))
+
+
+def learn(job: Job, topology: Topology, progress=sys.stderr) -> None:
+    """Learner ``$JAXPAR_LEARNER``'s part of ``job`` (see the module doc)."""
+    learner = int(os.environ[launch.ENV_LEARNER])
+    log = (lambda message: print(f"learner {learner}: {message}", file=progress, flush=True)) if progress else (lambda m: None)
+    run, faults = job.run, launch.parse_faults(os.environ.get(launch.ENV_FAULTS, ""), job.learners).get(learner, {})
+    inner = parse_strategy(inner_strategy(parse_strategy(run.strategy, topology.num_chips)), len(jax.devices("cpu")))
+    cfg = run_model_config(run)
+    train_cfg = dataclasses.replace(run.train, total_steps=run.steps, memory_bytes=run.train.memory_bytes or topology.hbm_bytes)
+    trainer = Trainer(build_layout(inner, jax.devices("cpu")), *model_and_loss(cfg), train_cfg)
+    own = open_data(run, log)
+    tokens, held_out = data.split_corpus(data.corpus_tokens()) if own is None else (None, None)
+    train_rows, _, batch_of = batch_source(run, _LearnerRows(trainer, learner, job.learners), cfg, tokens, held_out, own)
+    exchange = Exchange(1 + learner, launch.startup_timeout(os.environ))
+    mine = Checkpointer(CheckpointConfig(os.path.join(job.directory, f"learner-{learner}"), every=1, keep=job.keep))
+    try:
+        state = _learner_start(trainer, mine, run.seed, log)
+        round_ = exchange.wait_merged(-1)
+        while round_ < job.rounds:
+            step = jax.device_put(np.asarray(job.round_start(round_), state.step.dtype), state.step.sharding)
+            state = state._replace(params=_merged_params(job, trainer, round_), step=step)
+            if learner not in exchange.reports(round_):  # (a restarted learner may have reported it already)
+                state = _train_round(job, trainer, state, round_, lambda step: batch_of(train_rows, step), faults, learner)
+                mine.save(job.round_end(round_), state, {"round": round_, "learner": learner})
+                mine.wait()  # the report names a complete checkpoint, never one being written
+                share = run.batch_size // job.learners * run.seq_len * (job.round_end(round_) - job.round_start(round_))
+                exchange.report(round_, learner, {"tokens": share, "step": job.round_end(round_)})
+            round_ = exchange.wait_merged(round_)
+            log(f"round {round_} merged")
+    finally:
+        mine.close()
+
+
+def _learner_start(trainer: Trainer, mine: Checkpointer, seed: int, log):
+    """A fresh state, or (a restarted learner) its inner optimizer state from its last checkpoint."""
+    if mine.latest_step() is None:
+        return trainer.init(seed)
+    state, meta = mine.restore_newest_verified(trainer.abstract_state(), log)
+    log(f"restarted: keeping the optimizer state of round {meta['round']}")
+    return state
+
+
+def _merged_params(job: Job, trainer: Trainer, round_: int):
+    merged = Checkpointer(CheckpointConfig(os.path.join(job.directory, "merged")), writer=False)
+    try:
+        return merged.restore_params(trainer.abstract_state().params, job.round_start(round_))
+    finally:
+        merged.close()
+
+
+def _train_round(job: Job, trainer: Trainer, state, round_: int, batch_at, faults: dict, learner: int):
+    for step in range(job.round_start(round_), job.round_end(round_)):
+        if faults.get("kill") == step and not os.environ.get(launch.ENV_RESUME):  # the drill's fault, once
+            print(f"learner {learner}: killed at step {step} (--inject-faults)", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        state, _ = trainer.step(state, batch_at(step))
+        launch.report_progress("step", step + 1)
+        if faults.get("slow"):
+            time.sleep(faults["slow"])
+    jax.block_until_ready(state.params)
+    return state
+
+
+# --- the syncer -----------------------------------------------------------------------------------
+
+
+def sync(job: Job, topology: Topology, progress=sys.stderr) -> dict:
+    """The syncer's part of ``job``: every round's merge; returns the job's report."""
+    log = (lambda message: print(f"syncer: {message}", file=progress, flush=True)) if progress else (lambda m: None)
+    quorum, grace = int(os.environ[launch.ENV_QUORUM]), float(os.environ[launch.ENV_GRACE])
+    cfg = run_model_config(job.run)
+    one = dataclasses.replace(job.run.train, grad_sync="exact", grad_sync_bits=None, grad_sync_axes=None)  # (no batch axis here)
+    trainer = Trainer(build_layout(parse_strategy("", 1), jax.devices("cpu")[:1]), *model_and_loss(cfg), one)
+    outer = outer_optimizer(job.options)
+    merged = Checkpointer(CheckpointConfig(os.path.join(job.directory, "merged"), every=1, keep=max(job.keep, 2)))
+    exchange = Exchange(0, launch.startup_timeout(os.environ))
+    began = time.time()
+    try:
+        (anchor, outer_state), round_, history = _syncer_start(job, trainer, outer, merged, log)
+        exchange.announce(round_, history["merges"][-1]["record"] if history["merges"] else {"step": 0, "included": []})
+        while round_ < job.rounds:
+            reports = _gather(exchange, round_, job.learners, quorum, grace)
+            anchor, outer_state = _merge(job, trainer, outer, anchor, outer_state, reports)
+            late = _late(exchange, round_, history)
+            record = {"step": job.round_end(round_), "included": sorted(reports),
+                      "tokens": sum(r["tokens"] for r in reports.values()), "dropped": late, "time_s": time.time() - began}
+            history["merges"].append({"round": round_ + 1, "record": record})
+            merged.save(job.round_end(round_), {"params": anchor, "outer": outer_state},
+                        {"round": round_ + 1, "history": json.loads(json.dumps(history))})
+            merged.wait()
+            round_ += 1
+            exchange.announce(round_, record)
+            log(f"round {round_} merged from learners {sorted(reports)}" + (f"; dropped late reports {late}" if late else ""))
+    finally:
+        merged.close()
+    return _sync_report(job, trainer, anchor, history, time.time() - began, quorum, grace)
+
+
+def _syncer_start(job: Job, trainer: Trainer, outer, merged: Checkpointer, log):
+    """((the merged model, the outer state), the round it starts, history): round 0's model from the
+    seed (saved first, so that every learner starts from it), or the newest merged checkpoint's."""
+    params = trainer.init(job.run.seed).params
+    state = (params, outer.init(params) if outer else None)
+    if merged.latest_step() is None:
+        merged.save(0, {"params": state[0], "outer": state[1]}, {"round": 0, "history": {"merges": []}})
+        merged.wait()
+        return state, 0, {"merges": []}
+    restored, meta = merged.restore_newest_verified({"params": trainer.abstract_state().params, "outer": _abstract(state[1])}, log)
+    log(f"resuming from the merge of round {meta['round']}")
+    return (restored["params"], restored["outer"]), meta["round"], meta["history"]
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def _gather(exchange: Exchange, round_: int, learners: int, quorum: int, grace: float) -> dict[int, dict]:
+    """The round's reports once ``quorum`` are in and then all are or ``grace`` seconds have passed."""
+    quorum_at = None
+    while True:
+        reports = exchange.reports(round_)
+        if len(reports) >= quorum and quorum_at is None:
+            quorum_at = time.time()
+        if len(reports) == learners or (quorum_at is not None and time.time() - quorum_at >= grace):
+            return reports
+        time.sleep(POLL_S)
+
+
+def _merge(job: Job, trainer: Trainer, outer, anchor, outer_state, reports: dict):
+    """The reports' weights (read back verified) merged into the model, weighted by tokens: their
+    mean (avg), or the outer optimizer's step on their mean change."""
+    total = sum(r["tokens"] for r in reports.values())
+    weights = {learner: r["tokens"] / total for learner, r in sorted(reports.items())}
+    copies = {learner: _learner_params(job, trainer, learner, reports[learner]["step"]) for learner in weights}
+    if outer is None:
+        return jax.tree.map(lambda *c: sum(w * x for w, x in zip(weights.values(), c)), *copies.values()), None
+    change = jax.tree.map(lambda a, *c: sum(w * (a - x) for w, x in zip(weights.values(), c)), anchor, *copies.values())
+    updates, outer_state = outer.update(change, outer_state, anchor)
+    return optax.apply_updates(anchor, updates), outer_state
+
+
+def _learner_params(job: Job, trainer: Trainer, learner: int, step: int):
+    ckpt = Checkpointer(CheckpointConfig(os.path.join(job.directory, f"learner-{learner}")), writer=False)
+    try:
+        return ckpt.restore_params(trainer.abstract_state().params, step)
+    finally:
+        ckpt.close()
+
+
+def _late(exchange: Exchange, round_: int, history: dict) -> list[list[int]]:
+    """[round, learner] of each report that came after its round was merged (dropped), newly seen."""
+    seen = {tuple(d) for m in history["merges"] for d in m["record"]["dropped"]}
+    late = []
+    for merge in history["merges"][-3:]:  # (a learner reports at most one round behind the newest it has seen)
+        done = merge["round"] - 1
+        for learner in exchange.reports(done):
+            if learner not in merge["record"]["included"] and (done, learner) not in seen:
+                late.append([done, learner])
+    return late
+
+
+def _sync_report(job: Job, trainer: Trainer, anchor, history: dict, seconds: float, quorum: int, grace: float) -> dict:
+    run = job.run
+    merges = [m["record"] for m in history["merges"]]
+    useful = sum(m["tokens"] for m in merges)
+    return {
+        "role": "syncer", "model": run.model, "strategy": run.strategy, "learners": job.learners, "quorum": quorum,
+        "grace_s": grace, "local_steps": job.local_steps, "steps": run.steps, "rounds": job.rounds, "merges": merges,
+        "useful_tokens": useful, "tokens_planned": run.steps * run.batch_size * run.seq_len, "seconds": seconds,
+        "goodput_tokens_per_s": useful / seconds if seconds else 0.0,
+        "dropped": [d for m in merges for d in m["dropped"]],
+        "held_out_loss": _held_out_loss(run, trainer, anchor),
+    }
+
+
+def _held_out_loss(run: RunConfig, trainer: Trainer, params) -> float:
+    cfg = run_model_config(run)
+    own = open_data(run, lambda message: None)
+    tokens, held_out = data.split_corpus(data.corpus_tokens()) if own is None else (None, None)
+    _, held, batch_of = batch_source(run, trainer, cfg, tokens, held_out, own)
+    batch = batch_of(held, 0)
+    return float(trainer.jit_loss(batch)(params, batch))
+
+
+def summary(report: dict) -> list[str]:
+    """The syncer's report for a terminal."""
+    lines = [f"{report['model']} as {report['learners']} decoupled learners (quorum {report['quorum']}, grace "
+             f"{report['grace_s']:g} s), merging every {report['local_steps']} steps: {len(report['merges'])} merges",
+             f"held-out loss {report['held_out_loss']:.4f} (the merged model)",
+             f"goodput {report['goodput_tokens_per_s']:,.0f} useful tokens/s: {report['useful_tokens']:,} of "
+             f"{report['tokens_planned']:,} planned tokens merged in {report['seconds']:.1f} s"]
+    for merge in report["merges"]:
+        missing = sorted(set(range(report["learners"])) - set(merge["included"]))
+        lines.append(f"  merge at step {merge['step']}: learners {merge['included']}" + (f" (without {missing})" if missing else "")
+                     + (f"; dropped late {merge['dropped']}" if merge["dropped"] else ""))
+    return lines
