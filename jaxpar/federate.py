@@ -18,7 +18,6 @@ import json
 import sys
 import time
 
-import jax
 import numpy as np
 
 from jaxpar import decoupled, scalars
@@ -141,10 +140,7 @@ def _report(run: RunConfig, strategy, trainer: FederatedTrainer, plan, history: 
     groups, local = trainer.size, trainer.local_steps
     losses, times = history["losses"], history["step_times_s"]
     group_devices = trainer.groups[0].layout.mesh.size
-    # each device's shard of the weights, as a group stores them: what a merge all-reduces
-    shard = sum(np.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-                for leaf in jax.tree.leaves(trainer.groups[0].abstract_state().params))
-    merge_bytes = 2.0 * float(shard) * (groups - 1) / groups
+    merge_bytes = trainer.merge_bytes()
     sync, wire = trainer.merge_sync, 1.0
     if sync is not None:  # the compressed all-reduce's bits per value, scales included, against float32's
         wire = wire_bits_per_value(compressed.DEFAULT_BITS[sync.scheme] if sync.bits is None else sync.bits, sync.scheme) / 32

@@ -103,7 +103,7 @@ def simulate_diloco(params, groups: int, local_steps: int, steps: int, drifts: l
             updates, inner_states[g] = inner.update(grads, inner_states[g], copies[g])
             copies[g] = optax.apply_updates(copies[g], updates)
         if (step + 1) % local_steps == 0:
-            drifts.append([float(optax.global_norm(jax.tree.map(lambda a, c: a - c, anchor, copy))) for copy in copies])
+            drifts.append([float(optax.tree.norm(jax.tree.map(lambda a, c: a - c, anchor, copy))) for copy in copies])
             delta = jax.tree.map(lambda a, *c: a - sum(c) / groups, anchor, *copies)
             updates, outer_state = outer.update(delta, outer_state, anchor)
             anchor = optax.apply_updates(anchor, updates)
@@ -124,8 +124,12 @@ def test_fl_fsdp_with_outer_nesterov_equals_a_simulation_of_diloco():
         jax.tree.map(np.testing.assert_array_equal, host(state.anchor), host(state.train.params))
 
 
-def test_groups_run_on_their_own_devices_and_a_merge_moves_each_shard_once():
-    trainer = federated("federation=2,fsdp=4", optax.adamw(1e-2))
+@pytest.mark.parametrize("text", ["federation=2,fsdp=4", "federation=2,data=2,fsdp=2"])
+def test_groups_run_on_their_own_devices_and_a_merge_sends_each_devices_share_once(text):
+    """FL+FSDP: each device all-reduces its shard over ``federation``. FL+HSDP: the two ``data``
+    replicas of a shard each send half of it, then gather the halves inside the group; either
+    way 2 (Psi / n) (G - 1) / G bytes cross the groups for groups of n = 4 devices."""
+    trainer = federated(text, optax.adamw(1e-2))
     states = trainer.init(0)
     batches = trainer.put_process_batch(BATCH, lambda a, b: BATCHES[0][a:b])
     own = [set(group.layout.mesh.devices.flat) for group in trainer.groups]
@@ -136,12 +140,15 @@ def test_groups_run_on_their_own_devices_and_a_merge_moves_each_shard_once():
     from jaxpar.train.federated import _mergeable, _stack
 
     stacked = _stack(trainer.layout.mesh, [_mergeable(state, trainer.options) for state in states])
-    text = jax.jit(trainer.merge_fn()).lower(stacked, np.uint32(0)).compile().as_text()  # (the drift: G scalars)
-    found = hlo.collectives(text, trainer.layout.mesh)
+    program = jax.jit(trainer.merge_fn()).lower(stacked, np.uint32(0)).compile().as_text()  # (the drift: G scalars)
+    found = hlo.collectives(program, trainer.layout.mesh)
     weights = [c for c in found if c.operand_bytes > 2 * 4]  # the rest: each group's drift, G floats
     psi = sum(leaf.nbytes for leaf in jax.tree.leaves(states[0].train.params))  # float32
-    assert weights and [(c.kind, c.mesh_axes) for c in weights] == [("all-reduce", ("federation",))] * len(weights)
-    assert sum(c.bytes_per_execution * c.executions for c in weights) == pytest.approx(2 * (psi / 4) * (2 - 1) / 2)
+    across = [c for c in weights if "federation" in c.mesh_axes]
+    assert across and {(c.kind, c.mesh_axes) for c in across} == {("all-reduce", ("federation",))}
+    assert sum(c.bytes_per_execution * c.executions for c in across) == pytest.approx(2 * (psi / 4) * (2 - 1) / 2)
+    inside = {(c.kind, c.mesh_axes) for c in weights if c not in across}
+    assert inside == (set() if "data" not in text else {("all-gather", ("data",))})
     assert len(found) - len(weights) <= 1
 
 

@@ -6,9 +6,10 @@ Between merges nothing crosses ``federation``: a group's step is compiled for th
 devices (the global mesh's slice at its index), so each group's program can hold no collective
 over the other groups' devices. A merge is one program over the whole mesh: each group's arrays
 are stacked along a new leading dim split over ``federation`` (each shard reshaped where it lives:
-nothing moves between devices), the mean over that dim is XLA's all-reduce
-over ``federation`` between the devices holding the same shard, and each group gets its slice of
-the result back, again without a copy between devices. The model as of the last merge (the
+nothing moves between devices); for the mean over that dim each device all-reduces over
+``federation`` its part of its shard (the whole shard, or under FL+HSDP the 1/r of it that it
+takes among the r devices of its group holding the same shard, gathered inside the group after),
+and each group gets its slice of the result back, again without a copy between devices. The model as of the last merge (the
 anchor) and the outer optimizer's momentum live in every group, identical, so the outer step is
 computed where each shard lives and adds no traffic.
 """
@@ -16,6 +17,7 @@ computed where each shard lives and adds no traffic.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -120,6 +122,16 @@ class FederatedTrainer:
             metrics["fragment"] = due
         return states, metrics
 
+    def merge_bytes(self) -> float:
+        """Bytes each device sends across the groups per merge of the whole model, uncompressed:
+        2 p (G - 1) / G for its part p of the weights (its shard, split over the devices of its
+        group that hold the same shard): 2 (Psi / n) (G - 1) / G for groups of n devices."""
+        mesh = self.layout.mesh
+        part = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+                   / math.prod(mesh.shape[a] for a in _replicas(mesh, leaf.sharding.spec))
+                   for leaf in jax.tree.leaves(self.groups[0].abstract_state().params))
+        return 2.0 * part * (self.size - 1) / self.size
+
     def fragment_due(self, step: int) -> int | None:
         """The fragment that merges after ``step`` steps, if any: fragment f every ``local_steps``
         steps at offset (f + 1) H / F, so the F fragments' merges are spread evenly over the H steps."""
@@ -183,7 +195,7 @@ class FederatedTrainer:
         layers (fragment 0 also holds the weights outside them); the rest of every array is left
         as it is. Compressed (``merge_sync``), the mean is of each copy's change, through the
         compressed all-reduce: the same bits in every group."""
-        outer, merge_opt, sync = self.outer, self.options["merge_opt_state"], self.merge_sync
+        outer, merge_opt, sync, mesh = self.outer, self.options["merge_opt_state"], self.merge_sync, self.layout.mesh
         cuts, puts = _fragment_views(self.groups[0], self.fragments, self.layers, fragment)
         specs = _stacked_specs(self.groups[0])  # (a fragment cuts the layers dim, which no spec splits)
 
@@ -197,9 +209,9 @@ class FederatedTrainer:
             change = jax.tree.map(lambda a, p: a - p, anchor, params)
             drift = jnp.sqrt(sum(jnp.sum(jnp.square(c), axis=tuple(range(1, c.ndim))) for c in jax.tree.leaves(change)))
             if outer is None and sync is None:
-                anchor = mean(params)  # the copies' mean, as exact as one all-reduce of them
+                anchor = _shard_mean(None, mesh, specs, params, seed)  # the copies' mean
             else:  # the mean pseudo-gradient: the anchor minus the mean copy
-                delta = mean(change) if sync is None else _compressed_mean(sync, self.layout.mesh, specs, change, seed)
+                delta = _shard_mean(sync, mesh, specs, change, seed)
                 if outer is None:
                     anchor = jax.tree.map(lambda a, d: a - d, anchor, delta)
                 else:
@@ -233,20 +245,43 @@ def _stacked_specs(group: Trainer):
     return jax.tree.map(lambda leaf: PartitionSpec("federation", *leaf.sharding.spec), group.abstract_state().params)
 
 
-def _compressed_mean(sync: grad_sync.GradSync, mesh: Mesh, specs, tree, seed):
-    """The mean over the leading (group) dim of ``tree``'s stacked leaves through ``sync``'s
-    compressed all-reduce over ``federation``: each device's shards of every leaf packed into one
-    message, and the same bits back on every group."""
+def _replicas(mesh: Mesh, spec: PartitionSpec) -> tuple[str, ...]:
+    """The axes of a group over which a leaf laid out by ``spec`` is replicated (HSDP's data)."""
+    named = {a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part)}
+    return tuple(a for a in mesh.axis_names if a != "federation" and mesh.shape[a] > 1 and a not in named)
+
+
+def _shard_mean(sync: grad_sync.GradSync | None, mesh: Mesh, specs, tree, seed):
+    """The mean over the leading (group) dim of ``tree``'s stacked leaves. Where r devices of a
+    group hold the same shard (HSDP's ``data`` replicas), each reduces over ``federation`` only its
+    1/r part of it and the parts are then gathered inside the group, so that 2 (Psi / n) (G - 1) / G
+    bytes cross the groups for groups of n devices; the leaves replicated alike go as one message,
+    through ``sync``'s compressed all-reduce when given (the same bits in every group)."""
     leaves, treedef = jax.tree.flatten(tree)
+    leaf_specs = tuple(treedef.flatten_up_to(specs))
+    spreads = [_replicas(mesh, spec) for spec in leaf_specs]
     groups = mesh.shape["federation"]
 
-    def local(seed, *blocks):
-        total = compressed.all_reduce(grad_sync.pack(blocks), "federation", scheme=sync.scheme, bits=sync.bits, seed=seed,
-                                      min_size=sync.min_size, impl=sync.impl)
-        return tuple(piece.astype(block.dtype) for piece, block in
-                     zip(grad_sync.unpack(total / groups, [b.shape for b in blocks]), blocks))
+    def reduce(part, seed):
+        if sync is None:
+            return jax.lax.psum(part, "federation")
+        return compressed.all_reduce(part, "federation", scheme=sync.scheme, bits=sync.bits, seed=seed,
+                                     min_size=sync.min_size, impl=sync.impl)
 
-    leaf_specs = tuple(treedef.flatten_up_to(specs))
+    def local(seed, *blocks):
+        out = list(blocks)
+        for spread in dict.fromkeys(spreads):
+            mine = [i for i, s in enumerate(spreads) if s == spread]
+            flat = grad_sync.pack([blocks[i] for i in mine])
+            ranks = math.prod(mesh.shape[a] for a in spread)
+            parts = jnp.pad(flat, (0, -flat.size % ranks)).reshape(ranks, -1)
+            part = parts[jax.lax.axis_index(spread)] if spread else parts[0]
+            total = reduce(part, seed) / groups
+            whole = jax.lax.all_gather(total, spread, axis=0, tiled=True) if spread else total
+            for i, piece in zip(mine, grad_sync.unpack(whole, [blocks[i].shape for i in mine])):
+                out[i] = piece.astype(blocks[i].dtype)
+        return tuple(out)
+
     means = jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), *leaf_specs), out_specs=leaf_specs,
                           check_vma=False)(seed, *leaves)
     return treedef.unflatten(means)
