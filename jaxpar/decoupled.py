@@ -41,7 +41,7 @@ import optax
 from jaxpar import launch
 from jaxpar.errors import JaxparError
 from jaxpar.models import model_and_loss
-from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.parallel import build_layout, federation, parse_strategy
 from jaxpar.run import RunConfig, batch_source, open_data, run_model_config
 from jaxpar.topology import Topology
 from jaxpar.train import data
@@ -86,6 +86,7 @@ def job_of(run: RunConfig, topology: Topology, checkpoint: CheckpointConfig | No
     if checkpoint is None:
         raise JaxparError("decoupled learners exchange weights through checkpoints: give --checkpoint-dir DIR")
     strategy = parse_strategy(run.strategy, topology.num_chips)
+    federation.check_slices(strategy, topology.num_slices)
     groups = strategy.degrees.get("federation", 1)
     if groups != learners:
         raise JaxparError(f"--learners {learners} runs federation={learners}, but --strategy {run.strategy} has "

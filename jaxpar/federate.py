@@ -25,7 +25,7 @@ from jaxpar.collectives import compressed
 from jaxpar.collectives.quantize import wire_bits_per_value
 from jaxpar.errors import JaxparError
 from jaxpar.models import config_record, model_and_loss
-from jaxpar.parallel import build_layout, parse_strategy
+from jaxpar.parallel import build_layout, federation, parse_strategy
 from jaxpar.run import RunConfig, batch_source, devices_for, open_data, plan_run, run_model_config
 from jaxpar.topology import Topology
 from jaxpar.train import data
@@ -80,6 +80,7 @@ def _planned(run: RunConfig, topology: Topology):
     devices = devices_for(topology)
     strategy = parse_strategy(run.strategy, len(devices))
     groups = strategy.degrees["federation"]
+    federation.check_slices(strategy, topology.num_slices)
     check(run, groups)
     inner = dataclasses.replace(run, strategy=inner_strategy(strategy), batch_size=run.batch_size // groups)
     plan = plan_run(inner, topology, devices[: len(devices) // groups])

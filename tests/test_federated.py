@@ -187,6 +187,15 @@ def test_bad_options_are_refused_in_words(text, message):
         parse_strategy(text, 8)
 
 
+def test_groups_that_would_straddle_slices_are_refused_in_words():
+    from jaxpar.parallel import federation
+
+    federation.check_slices(parse_strategy("federation=6,fsdp=16", 96), 3)  # two groups a slice
+    federation.check_slices(parse_strategy("federation=3,data=2,fsdp=16", 96), 6)  # a group on two slices
+    with pytest.raises(JaxparError, match="federation=2 on 3 slices would cut groups across the slow links"):
+        federation.check_slices(parse_strategy("federation=2,fsdp=48", 96), 3)
+
+
 def test_the_one_program_step_refuses_federation():
     with pytest.raises(JaxparError, match="jaxpar train runs it, and jaxpar.train.federated.FederatedTrainer"):
         Trainer(build_layout(parse_strategy("federation=2,fsdp=4", 8)), MLP, loss_fn, CFG)

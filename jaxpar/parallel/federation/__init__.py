@@ -63,6 +63,16 @@ def check(strategy) -> None:
                         "forgets a step; give one below 1 (DiLoCo's is 0.9)")
 
 
+def check_slices(strategy, num_slices: int) -> None:
+    """On a topology of several slices ``federation`` is the outermost axis and its groups take the
+    slow links between them (the mesh puts it first, whatever the order written): refuse a degree
+    whose groups would straddle slices, so that a group's own traffic crossed the slow links."""
+    groups = strategy.degrees.get("federation", 1)
+    if num_slices > 1 and groups > 1 and groups % num_slices and num_slices % groups:
+        raise SpecError(f"federation={groups} on {num_slices} slices would cut groups across the slow links between "
+                        f"slices; give a degree that divides {num_slices} or is a multiple of it")
+
+
 def rules(strategy, compute: dict, stored: dict) -> None:
     if strategy.degrees.get("federation", 1) > 1:  # (a layout without groups keeps the batch axes it had)
         compute["batch"] = AXES + compute["batch"]  # each group its own rows
