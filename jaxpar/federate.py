@@ -117,7 +117,7 @@ def _loop(run: RunConfig, trainer: FederatedTrainer, states, start: int, history
         began = time.perf_counter()
         states, metrics = trainer.step(states, batch_at(step))
         done = step + 1
-        if done == run.steps and (metrics["drift"] is None or trainer.fragments > 1):  # one model at the end
+        if done == run.steps and (metrics["drift"] is None or trainer.fragments > 1 or trainer.delay):  # one model at the end
             states, metrics["drift"] = trainer.merge_all(states, but=metrics["fragment"])
             metrics["fragment"] = None
         history["step_times_s"].append(time.perf_counter() - began)

@@ -181,6 +181,8 @@ def test_grad_sync_compresses_the_merge_only_and_every_group_gets_the_same_bits(
     ("federation=2,fsdp=4,outer=adam", "outer='adam'.*avg, sgd, nesterov"),
     ("federation=2,fsdp=4,outer_momentum=1", "momentum of 1 or more"),
     ("fsdp=8,local_steps=4", "add federation=G"),
+    ("federation=2,fsdp=4,local_steps=4,fragments=2,merge_delay=2", "merge_delay=2: a fragment's merge must be applied"),
+    ("federation=2,fsdp=4,merge_mix=0.3", "add merge_delay=D or drop merge_mix"),
 ])
 def test_bad_options_are_refused_in_words(text, message):
     with pytest.raises(JaxparError, match=message):
@@ -263,41 +265,50 @@ def stacked_by_hand(params, batch):
     return jnp.mean((x @ params["out"]["kernel"] - jnp.sin(batch[:, 16:])) ** 2)
 
 
-def simulate_streaming(params, groups: int, local_steps: int, fragments: int, batches: list):
+def simulate_streaming(params, groups: int, local_steps: int, fragments: int, batches: list, delay: int = 0, keep: float = 0.5):
     """Streaming DiLoCo on one device: fragment f (layers [f L/F, (f + 1) L/F), and in fragment 0
     the output layer) takes DiLoCo's outer Nesterov step on its own at steps (f + 1) H / F of
-    every H; the rest of each copy trains on."""
+    every H; the rest of each copy trains on. With ``delay`` D the merged fragment reaches the
+    copies D steps later, each copy's fragment then ``keep`` of itself plus the rest of it."""
     inner, outer = optax.adamw(1e-2), optax.sgd(0.7, momentum=0.9, nesterov=True)
     params = jax.tree.map(jnp.asarray, params)
     anchor, momentum = params, outer.init(params)
     copies, states = [params] * groups, [inner.init(params) for _ in range(groups)]
     share, size = BATCH // groups, 4 // fragments
+    due = lambda step, f: step % local_steps == (f + 1) * local_steps // fragments % local_steps  # noqa: E731
     for step, batch in enumerate(batches):
         for g in range(groups):
             grads = jax.grad(stacked_by_hand)(copies[g], batch[g * share:(g + 1) * share])
             updates, states[g] = inner.update(grads, states[g], copies[g])
             copies[g] = optax.apply_updates(copies[g], updates)
         for f in range(fragments):
-            if (step + 1) % local_steps != (f + 1) * local_steps // fragments % local_steps:
-                continue
             rows = slice(f * size, (f + 1) * size)
             mine = lambda tree: {"w": tree["w"][rows], "out": tree["out"] if f == 0 else {"kernel": tree["out"]["kernel"][:0]}}  # noqa: E731
+            if delay and step + 1 > delay and due(step + 1 - delay, f):  # the merge of D steps ago arrives
+                mixed = [jax.tree.map(lambda c, a: keep * c + (1 - keep) * a, mine(c), mine(anchor)) for c in copies]
+                copies = [put_part(c, m, rows, f) for c, m in zip(copies, mixed)]
+            if not due(step + 1, f):
+                continue
             delta = jax.tree.map(lambda a, *c: a - sum(c) / groups, mine(anchor), *[mine(c) for c in copies])
             trace = mine(momentum[0].trace)
             updates, (moved, _) = outer.update(delta, (optax.TraceState(trace=trace), optax.EmptyState()), mine(anchor))
             new = optax.apply_updates(mine(anchor), updates)
-
-            def put(tree, part):
-                return {"w": tree["w"].at[rows].set(part["w"]), "out": part["out"] if f == 0 else tree["out"]}
-
-            anchor = put(anchor, new)
-            momentum = (optax.TraceState(trace=put(momentum[0].trace, moved.trace)), momentum[1])
-            copies = [put(c, new) for c in copies]
+            anchor = put_part(anchor, new, rows, f)
+            momentum = (optax.TraceState(trace=put_part(momentum[0].trace, moved.trace, rows, f)), momentum[1])
+            copies = copies if delay else [put_part(c, new, rows, f) for c in copies]
     return copies
 
 
-def test_fragments_merge_in_turn_as_a_simulation_of_streaming_diloco():
-    strategy = parse_strategy("federation=2,fsdp=4,local_steps=4,fragments=2,outer=nesterov", 8)
+def put_part(tree, part, rows, f):
+    return {"w": tree["w"].at[rows].set(part["w"]), "out": part["out"] if f == 0 else tree["out"]}
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_fragments_merge_in_turn_as_a_simulation_of_streaming_diloco(delay):
+    """Fragments merged in turn; with merge_delay=1, each merge reaches the copies a step later,
+    mixed half and half with what they trained meanwhile."""
+    options = f",merge_delay={delay}" if delay else ""
+    strategy = parse_strategy("federation=2,fsdp=4,local_steps=4,fragments=2,outer=nesterov" + options, 8)
     trainer = FederatedTrainer(build_layout(strategy), strategy, StackedMLP, loss_fn, CFG, optax.adamw(1e-2))
     initial = host(trainer.init(0)[0].train.params)
     states, merged, batches = trainer.init(0), [], BATCHES + BATCHES[:2]
@@ -305,9 +316,11 @@ def test_fragments_merge_in_turn_as_a_simulation_of_streaming_diloco():
         states, metrics = trainer.step(states, trainer.put_process_batch(BATCH, lambda a, b, batch=batch: batch[a:b]))
         merged.append(metrics["fragment"])
     assert merged == [None, 0, None, 1, None, 0, None, 1]
-    expected = simulate_streaming(initial, 2, 4, 2, batches)
+    expected = simulate_streaming(initial, 2, 4, 2, batches, delay=delay)
     for state, copy in zip(states, expected):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), host(state.train.params), host(copy))
+    if delay:
+        return
     with pytest.raises(JaxparError, match="fragments=3 must divide the model's 4 layers and local_steps=4"):
         strategy = parse_strategy("federation=2,fsdp=4,local_steps=4,fragments=3", 8)
         FederatedTrainer(build_layout(strategy), strategy, StackedMLP, loss_fn, CFG)

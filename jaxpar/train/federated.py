@@ -79,9 +79,9 @@ class FederatedTrainer:
         self.merge_sync, group_cfg = _split_sync(cfg, layout)
         self.groups = [Trainer(_group_layout(layout, inner, g), model_fn, loss_fn, group_cfg, optimizer) for g in range(self.size)]
         self.outer = outer_optimizer(self.options)
-        self.fragments = self.options["fragments"]
+        self.fragments, self.delay = self.options["fragments"], self.options["merge_delay"]
         self.layers = _check_fragments(self.groups[0], self.fragments, self.local_steps)
-        self._merges: dict[int, Any] = {}
+        self._merges: dict[tuple, Any] = {}
 
     @property
     def local_steps(self) -> int:
@@ -116,9 +116,11 @@ class FederatedTrainer:
         losses = [float(metrics["loss"]) for _, metrics in outs]
         metrics = {"loss": float(np.mean(losses)), "group_losses": losses, "drift": None, "fragment": None}
         step = int(states[0].train.step)
+        if self.delay and step > self.delay and self.fragment_due(step - self.delay) is not None:
+            states = self.mix(states, self.fragment_due(step - self.delay))
         due = self.fragment_due(step)
         if due is not None:
-            states, metrics["drift"] = self.merge(states, due, seed=step)
+            states, metrics["drift"] = self.merge(states, due, seed=step, apply=not self.delay)
             metrics["fragment"] = due
         return states, metrics
 
@@ -138,28 +140,55 @@ class FederatedTrainer:
         h, f = self.local_steps, self.fragments
         return next((k for k in range(f) if step % h == (k + 1) * h // f % h), None)
 
-    def merge(self, states: list[GroupState], fragment: int = 0, seed: int = 0) -> tuple[list[GroupState], list[float]]:
+    def merge(self, states: list[GroupState], fragment: int = 0, seed: int = 0,
+              apply: bool = True) -> tuple[list[GroupState], list[float]]:
         """(the groups' copies of ``fragment`` merged: averaged, or stepped by the outer optimizer,
         shard by shard; each group's drift, the norm of its fragment's change since its last merge).
-        ``seed``: the compressed merge's dither (the step: a new one at every merge)."""
+        ``seed``: the compressed merge's dither (the step: a new one at every merge). ``apply=False``
+        (a delayed merge) leaves the copies as they are: the merged fragment is the new anchor's,
+        which ``mix`` brings in later."""
         stacked = _stack(self.layout.mesh, [_mergeable(state, self.options) for state in states])
-        if fragment not in self._merges:  # each group's slice stays on its devices
-            self._merges[fragment] = jax.jit(self.merge_fn(fragment), donate_argnums=0,
-                                             out_shardings=(jax.tree.map(lambda x: x.sharding, stacked), None))
-        merged, drift = self._merges[fragment](stacked, np.uint32(seed))
+        if (fragment, apply) not in self._merges:  # each group's slice stays on its devices
+            self._merges[fragment, apply] = jax.jit(self.merge_fn(fragment, apply), donate_argnums=0,
+                                                    out_shardings=(jax.tree.map(lambda x: x.sharding, stacked), None))
+        merged, drift = self._merges[fragment, apply](stacked, np.uint32(seed))
         return ([_merged_state(state, new, self.options) for state, new in zip(states, _unstack(self.groups, merged))],
                 [float(d) for d in np.asarray(drift)])
 
     def merge_all(self, states: list[GroupState], but: int | None = None) -> tuple[list[GroupState], list[float]]:
         """Every fragment merged but ``but`` (one that just was): one model in every group; the
-        drift over them all."""
+        drift over them all. With ``merge_delay``, a fragment merged in the last steps, its result
+        not in the copies yet, is brought in whole instead."""
         squares, step = np.zeros(self.size), int(states[0].train.step)
+        pending = {self.fragment_due(s) for s in range(max(step - self.delay + 1, 1), step + 1)} if self.delay else set()
         for fragment in range(self.fragments):
+            if fragment in pending:
+                states = self.mix(states, fragment, keep=0.0)
+                continue
             if fragment == but:
                 continue
             states, drift = self.merge(states, fragment, seed=step)
             squares += np.square(drift)
         return states, [float(d) for d in np.sqrt(squares)]
+
+    def mix(self, states: list[GroupState], fragment: int, keep: float | None = None) -> list[GroupState]:
+        """A delayed merge of ``fragment`` brought into each copy: its part becomes ``keep``
+        (default ``merge_mix``) of itself plus the rest of the anchor's (the merged fragment). No
+        communication."""
+        mesh = self.layout.mesh
+        params = _stack(mesh, [state.train.params for state in states])
+        keep = self.options["merge_mix"] if keep is None else keep
+        if ("mix", fragment, keep) not in self._merges:
+            cuts, puts = _fragment_views(self.groups[0], self.fragments, self.layers, fragment)
+
+            def mix(params, anchor):
+                part = jax.tree.map(lambda p, a: keep * p + (1 - keep) * a, _cut(params, cuts), _cut(anchor, cuts))
+                return _put(params, part, puts)
+
+            self._merges["mix", fragment, keep] = jax.jit(mix, donate_argnums=0,
+                                                          out_shardings=jax.tree.map(lambda x: x.sharding, params))
+        mixed = self._merges["mix", fragment, keep](params, _stack(mesh, [state.anchor for state in states]))
+        return [state._replace(train=state.train._replace(params=part)) for state, part in zip(states, _unstack(self.groups, mixed))]
 
     def stacked(self, states: list[GroupState]) -> dict:
         """The groups' states as one tree on the global mesh (each leaf's copies stacked along a
@@ -187,7 +216,7 @@ class FederatedTrainer:
 
         return jax.tree.map(stack, group)
 
-    def merge_fn(self, fragment: int = 0):
+    def merge_fn(self, fragment: int = 0, apply: bool = True):
         """The merge of ``fragment`` on stacked arrays (a leading dim of G, one entry per group): a
         pure function of ({"params", "anchor", "outer", "opt"}, a uint32 dither seed) -> (the same,
         that fragment merged, each group's drift) whose only communication is the mean of the
@@ -218,7 +247,9 @@ class FederatedTrainer:
                     cut_state, put_state = _state_views(outer, stacked["outer"], cuts, puts)
                     updates, moved = outer.update(delta, cut_state, anchor)
                     out["outer"], anchor = put_state(moved), optax.apply_updates(anchor, updates)
-            out["anchor"], out["params"] = _put(stacked["anchor"], anchor, puts), _put(stacked["params"], anchor, puts)
+            out["anchor"] = _put(stacked["anchor"], anchor, puts)
+            if apply:
+                out["params"] = _put(stacked["params"], anchor, puts)
             if merge_opt:
                 out["opt"] = mean(stacked["opt"])
             return out, drift

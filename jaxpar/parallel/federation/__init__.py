@@ -17,7 +17,10 @@ Each group's inner optimizer state stays its own (AdamW's moments are never aver
 ``merge_opt_state=on``. ``fragments=F`` (Streaming DiLoCo) merges the stacked layers a 1/F share at
 a time, fragment f at steps (f + 1) H / F of every H (fragment 0 also holds the weights outside
 the layers), so each merge sends 1/F of the bytes and the merges spread over the H steps; F must
-divide the layers and H. Nothing crosses ``federation`` between merges: each group's step is its
+divide the layers and H. ``merge_delay=D`` (Streaming DiLoCo's overlap) applies a merge's result D
+steps after the copies it merged, while the groups train on, so its communication has D steps to
+run behind them: the copy's fragment then becomes ``merge_mix`` (default 0.5) of itself plus the
+rest of the merged fragment. Nothing crosses ``federation`` between merges: each group's step is its
 own program on its own devices (``train/federated.py``'s ``FederatedTrainer``). With ``federation=1`` a run is the
 inner strategy's, bitwise.
 """
@@ -49,6 +52,9 @@ OPTIONS = {
     "merge_opt_state": (switch, False),
     "fragments": (count_option(lambda n: n >= 1, "give how many shares of the stacked layers merge in turn, 1 or more "
                                                  "(e.g. fragments=4)"), 1),
+    "merge_delay": (count_option(lambda n: n >= 0, "give the steps a merge's result waits before it is applied, 0 or more "
+                                                   "(e.g. merge_delay=1)"), 0),
+    "merge_mix": (_rate, 0.5),
 }
 
 
@@ -58,6 +64,17 @@ def check(strategy) -> None:
     if given and strategy.degrees.get("federation", 1) == 1:
         raise SpecError(f"option {given[0]} is for federated training; add federation=G (G groups, e.g. federation=2) "
                         f"or drop {given[0]}")
+    options = strategy.options
+    if "merge_mix" in strategy.given and not options["merge_delay"]:
+        raise SpecError("option merge_mix mixes a delayed merge's result into the copy trained on meanwhile; add "
+                        "merge_delay=D or drop merge_mix")
+    if options["merge_mix"] > 1:
+        raise SpecError(f"option merge_mix={options['merge_mix']}: the share of the copy kept is between 0 and 1 "
+                        "(Streaming DiLoCo's is 0.5)")
+    if options["merge_delay"] and options["merge_delay"] >= options["local_steps"] // options["fragments"]:
+        raise SpecError(f"option merge_delay={options['merge_delay']}: a fragment's merge must be applied before the next "
+                        f"fragment merges, every local_steps / fragments = {options['local_steps'] // options['fragments']} "
+                        "steps; give a smaller delay")
     if strategy.options["outer_momentum"] >= 1:
         raise SpecError(f"option outer_momentum={strategy.options['outer_momentum']}: a momentum of 1 or more never "
                         "forgets a step; give one below 1 (DiLoCo's is 0.9)")
