@@ -18,6 +18,9 @@ the merged model and the outer optimizer's state (``DIR/merged``, verified) and 
   inner optimizer state from its last checkpoint, and joins the round in progress; the others
   go on meanwhile when the quorum allows.
 - The syncer restarted resumes from its newest merged checkpoint; reports wait in the store.
+- ``fragments=F``: a round ends at each fragment's merge (``FederatedTrainer``'s schedule) and
+  merges that fragment only; a learner whose report it included takes that fragment from the
+  merged model and keeps its own copy of the rest. The last step merges every fragment.
 
 Control goes through JAX's coordination service, the key-value store that ``jax.distributed``
 uses, hosted by the launcher with recoverable tasks (so one process may die and rejoin); the
@@ -46,7 +49,9 @@ from jaxpar.run import RunConfig, batch_source, open_data, run_model_config
 from jaxpar.topology import Topology
 from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
-from jaxpar.train.federated import inner_strategy, outer_optimizer
+from jaxpar.train.federated import (
+    check_fragments, cut, fragment_due, fragment_views, inner_strategy, outer_optimizer, put, state_views,
+)
 from jaxpar.train.step import Trainer
 
 POLL_S = 0.05  # how often the syncer looks for reports
@@ -64,20 +69,35 @@ class Job:
     run: RunConfig
     directory: str
     learners: int
-    local_steps: int
-    options: dict  # federation's (outer optimizer)
+    options: dict  # federation's (local steps, fragments, outer optimizer)
     keep: int  # checkpoints kept in each directory (--keep-checkpoints; every round is saved)
+    # (step, fragment) at the end of each round: fragment f at its steps of the fragment schedule,
+    # every fragment (None) at the last step, so that the run ends with one model
+    ends: tuple
 
     @property
     def rounds(self) -> int:
-        return -(-self.run.steps // self.local_steps)
+        return len(self.ends)
 
     def round_end(self, round_: int) -> int:
         """The step at which round ``round_`` ends (and its merged model starts the next)."""
-        return min((round_ + 1) * self.local_steps, self.run.steps)
+        return self.ends[round_][0]
 
     def round_start(self, round_: int) -> int:
-        return min(round_ * self.local_steps, self.run.steps)
+        return self.ends[round_ - 1][0] if round_ else 0
+
+    def fragment(self, round_: int) -> int | None:
+        """The fragment round ``round_``'s merge changes (None: all of them)."""
+        return self.ends[round_][1]
+
+    def views(self, trainer: Trainer, round_: int):
+        """(cuts, puts) of round ``round_``'s fragment on one copy's params (``fragment_views``)."""
+        fragments, fragment = self.options["fragments"], self.fragment(round_)
+        if fragment is None:
+            params = trainer.abstract_state().params
+            return jax.tree.map(lambda _: (lambda x: x), params), jax.tree.map(lambda _: (lambda full, part: part), params)
+        layers = check_fragments(trainer, fragments, self.options["local_steps"])
+        return fragment_views(trainer, fragments, layers, fragment, stacked=False)
 
 
 def job_of(run: RunConfig, topology: Topology, checkpoint: CheckpointConfig | None, environ=os.environ) -> Job:
@@ -91,12 +111,15 @@ def job_of(run: RunConfig, topology: Topology, checkpoint: CheckpointConfig | No
     if groups != learners:
         raise JaxparError(f"--learners {learners} runs federation={learners}, but --strategy {run.strategy} has "
                           f"federation={groups}; give federation={learners}")
-    if strategy.options["fragments"] != 1:
-        raise JaxparError("fragments are not yet merged by decoupled learners (each round merges the whole model); "
-                          "drop fragments=")
+    if strategy.options["merge_delay"]:
+        raise JaxparError("merge_delay is for the one-process run; decoupled learners already train on until a merge "
+                          "arrives: drop merge_delay")
     if run.batch_size % learners:
         raise JaxparError(f"--batch-size {run.batch_size} does not split over {learners} learners; give a multiple of {learners}")
-    return Job(run, checkpoint.directory, learners, strategy.options["local_steps"], strategy.options, checkpoint.keep)
+    local, fragments = strategy.options["local_steps"], strategy.options["fragments"]
+    ends = [(step, fragment_due(step, local, fragments)) for step in range(1, run.steps)]
+    ends = tuple((step, f) for step, f in ends if f is not None) + ((run.steps, None),)
+    return Job(run, checkpoint.directory, learners, strategy.options, checkpoint.keep, ends)
 
 
 def _keyed(prefix: str, entries) -> dict:
@@ -156,44 +179,59 @@ def learn(job: Job, topology: Topology, progress=sys.stderr) -> None:
     cfg = run_model_config(run)
     train_cfg = dataclasses.replace(run.train, total_steps=run.steps, memory_bytes=run.train.memory_bytes or topology.hbm_bytes)
     trainer = Trainer(build_layout(inner, jax.devices("cpu")), *model_and_loss(cfg), train_cfg)
+    check_fragments(trainer, job.options["fragments"], job.options["local_steps"])  # before any work
     own = open_data(run, log)
     tokens, held_out = data.split_corpus(data.corpus_tokens()) if own is None else (None, None)
     train_rows, _, batch_of = batch_source(run, _LearnerRows(trainer, learner, job.learners), cfg, tokens, held_out, own)
     exchange = Exchange(1 + learner, launch.startup_timeout(os.environ))
     mine = Checkpointer(CheckpointConfig(os.path.join(job.directory, f"learner-{learner}"), every=1, keep=job.keep))
     try:
-        state = _learner_start(trainer, mine, run.seed, log)
+        state, last = _learner_start(trainer, mine, run.seed, log)
         round_ = exchange.wait_merged(-1)
-        while round_ < job.rounds:
-            step = jax.device_put(np.asarray(job.round_start(round_), state.step.dtype), state.step.sharding)
-            state = state._replace(params=_merged_params(job, trainer, round_), step=step)
-            if learner not in exchange.reports(round_):  # (a restarted learner may have reported it already)
-                state = _train_round(job, trainer, state, round_, lambda step: batch_of(train_rows, step), faults, learner)
-                mine.save(job.round_end(round_), state, {"round": round_, "learner": learner})
-                mine.wait()  # the report names a complete checkpoint, never one being written
-                share = run.batch_size // job.learners * run.seq_len * (job.round_end(round_) - job.round_start(round_))
-                exchange.report(round_, learner, {"tokens": share, "step": job.round_end(round_)})
-            round_ = exchange.wait_merged(round_)
-            log(f"round {round_} merged")
+        share = run.batch_size // job.learners * run.seq_len
+        while True:
+            if last is not None and round_ == last:  # restarted after its report (or its save): the merge is to come
+                if learner not in exchange.reports(last):
+                    exchange.report(last, learner, {"tokens": share * (job.round_end(last) - job.round_start(last)),
+                                                    "step": job.round_end(last)})
+                round_ = exchange.wait_merged(last)
+                log(f"round {round_} merged")
+            if round_ >= job.rounds:
+                break
+            ours = last is not None and round_ == last + 1 and learner in exchange.merged()[round_]["included"]
+            state = _take_merged(job, trainer, state, round_, last if ours else None)  # else behind: the whole model
+            state = _train_round(job, trainer, state, round_, lambda step: batch_of(train_rows, step), faults, learner)
+            mine.save(job.round_end(round_), state, {"round": round_, "learner": learner})
+            mine.wait()  # the report names a complete checkpoint, never one being written
+            last = round_
     finally:
         mine.close()
 
 
 def _learner_start(trainer: Trainer, mine: Checkpointer, seed: int, log):
-    """A fresh state, or (a restarted learner) its inner optimizer state from its last checkpoint."""
+    """(a fresh state, None), or (a restarted learner) (its state as it saved it at the end of a
+    round, that round): its copy and its inner optimizer state are not lost."""
     if mine.latest_step() is None:
-        return trainer.init(seed)
+        return trainer.init(seed), None
     state, meta = mine.restore_newest_verified(trainer.abstract_state(), log)
-    log(f"restarted: keeping the optimizer state of round {meta['round']}")
-    return state
+    log(f"restarted from its checkpoint of round {meta['round']}")
+    return state, meta["round"]
 
 
-def _merged_params(job: Job, trainer: Trainer, round_: int):
+def _take_merged(job: Job, trainer: Trainer, state, round_: int, merged_part: int | None):
+    """``state`` at the start of round ``round_``: the merged model's weights (only the fragment
+    that round ``merged_part`` merged, where the learner goes on from its own copy) and step."""
     merged = Checkpointer(CheckpointConfig(os.path.join(job.directory, "merged")), writer=False)
     try:
-        return merged.restore_params(trainer.abstract_state().params, job.round_start(round_))
+        params = merged.restore_params(trainer.abstract_state().params, job.round_start(round_))
     finally:
         merged.close()
+    if merged_part is not None:
+        cuts, puts = job.views(trainer, merged_part)
+        params = jax.jit(lambda mine, new: put(mine, cut(new, cuts), puts), out_shardings=trainer.state_shardings.params)(
+            state.params, params)
+    step = jax.device_put(np.asarray(job.round_start(round_), state.step.dtype), state.step.sharding)
+    return state._replace(params=params, step=step)
 
 
 def _train_round(job: Job, trainer: Trainer, state, round_: int, batch_at, faults: dict, learner: int):
@@ -219,6 +257,7 @@ def sync(job: Job, topology: Topology, progress=sys.stderr) -> dict:
     cfg = run_model_config(job.run)
     one = dataclasses.replace(job.run.train, grad_sync="exact", grad_sync_bits=None, grad_sync_axes=None)  # (no batch axis here)
     trainer = Trainer(build_layout(parse_strategy("", 1), jax.devices("cpu")[:1]), *model_and_loss(cfg), one)
+    check_fragments(trainer, job.options["fragments"], job.options["local_steps"])  # before any work
     outer = outer_optimizer(job.options)
     merged = Checkpointer(CheckpointConfig(os.path.join(job.directory, "merged"), every=1, keep=max(job.keep, 2)))
     exchange = Exchange(0, launch.startup_timeout(os.environ))
@@ -228,7 +267,7 @@ def sync(job: Job, topology: Topology, progress=sys.stderr) -> dict:
         exchange.announce(round_, history["merges"][-1]["record"] if history["merges"] else {"step": 0, "included": []})
         while round_ < job.rounds:
             reports = _gather(exchange, round_, job.learners, quorum, grace)
-            anchor, outer_state = _merge(job, trainer, outer, anchor, outer_state, reports)
+            anchor, outer_state = _merge(job, trainer, outer, (anchor, outer_state), reports, round_)
             late = _late(exchange, round_, history)
             record = {"step": job.round_end(round_), "included": sorted(reports),
                       "tokens": sum(r["tokens"] for r in reports.values()), "dropped": late, "time_s": time.time() - began}
@@ -274,17 +313,22 @@ def _gather(exchange: Exchange, round_: int, learners: int, quorum: int, grace: 
         time.sleep(POLL_S)
 
 
-def _merge(job: Job, trainer: Trainer, outer, anchor, outer_state, reports: dict):
-    """The reports' weights (read back verified) merged into the model, weighted by tokens: their
-    mean (avg), or the outer optimizer's step on their mean change."""
+def _merge(job: Job, trainer: Trainer, outer, merged: tuple, reports: dict, round_: int):
+    """(the model, the outer state) with round ``round_``'s fragment merged from the reports'
+    weights (read back verified), weighted by tokens: their mean (avg), or the outer optimizer's
+    step on their mean change."""
+    anchor, outer_state = merged
     total = sum(r["tokens"] for r in reports.values())
-    weights = {learner: r["tokens"] / total for learner, r in sorted(reports.items())}
-    copies = {learner: _learner_params(job, trainer, learner, reports[learner]["step"]) for learner in weights}
+    weights = [r["tokens"] / total for _, r in sorted(reports.items())]
+    cuts, puts = job.views(trainer, round_)
+    copies = [cut(_learner_params(job, trainer, learner, r["step"]), cuts) for learner, r in sorted(reports.items())]
+    part = cut(anchor, cuts)
     if outer is None:
-        return jax.tree.map(lambda *c: sum(w * x for w, x in zip(weights.values(), c)), *copies.values()), None
-    change = jax.tree.map(lambda a, *c: sum(w * (a - x) for w, x in zip(weights.values(), c)), anchor, *copies.values())
-    updates, outer_state = outer.update(change, outer_state, anchor)
-    return optax.apply_updates(anchor, updates), outer_state
+        return put(anchor, jax.tree.map(lambda *c: sum(w * x for w, x in zip(weights, c)), *copies), puts), None
+    change = jax.tree.map(lambda a, *c: sum(w * (a - x) for w, x in zip(weights, c)), part, *copies)
+    cut_state, put_state = state_views(outer, outer_state, cuts, puts)
+    updates, moved = outer.update(change, cut_state, part)
+    return put(anchor, optax.apply_updates(part, updates), puts), put_state(moved)
 
 
 def _learner_params(job: Job, trainer: Trainer, learner: int, step: int):
@@ -313,7 +357,8 @@ def _sync_report(job: Job, trainer: Trainer, anchor, history: dict, seconds: flo
     useful = sum(m["tokens"] for m in merges)
     return {
         "role": "syncer", "model": run.model, "strategy": run.strategy, "learners": job.learners, "quorum": quorum,
-        "grace_s": grace, "local_steps": job.local_steps, "steps": run.steps, "rounds": job.rounds, "merges": merges,
+        "grace_s": grace, "local_steps": job.options["local_steps"], "fragments": job.options["fragments"],
+        "steps": run.steps, "rounds": job.rounds, "merges": merges,
         "useful_tokens": useful, "tokens_planned": run.steps * run.batch_size * run.seq_len, "seconds": seconds,
         "goodput_tokens_per_s": useful / seconds if seconds else 0.0,
         "dropped": [d for m in merges for d in m["dropped"]],
@@ -333,7 +378,8 @@ def _held_out_loss(run: RunConfig, trainer: Trainer, params) -> float:
 def summary(report: dict) -> list[str]:
     """The syncer's report for a terminal."""
     lines = [f"{report['model']} as {report['learners']} decoupled learners (quorum {report['quorum']}, grace "
-             f"{report['grace_s']:g} s), merging every {report['local_steps']} steps: {len(report['merges'])} merges",
+             f"{report['grace_s']:g} s), merging every {report['local_steps']} steps"
+             + (f" a 1/{report['fragments']} share at a time" if report["fragments"] > 1 else "") + f": {len(report['merges'])} merges",
              f"held-out loss {report['held_out_loss']:.4f} (the merged model)",
              f"goodput {report['goodput_tokens_per_s']:,.0f} useful tokens/s: {report['useful_tokens']:,} of "
              f"{report['tokens_planned']:,} planned tokens merged in {report['seconds']:.1f} s"]

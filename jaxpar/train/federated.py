@@ -80,7 +80,7 @@ class FederatedTrainer:
         self.groups = [Trainer(_group_layout(layout, inner, g), model_fn, loss_fn, group_cfg, optimizer) for g in range(self.size)]
         self.outer = outer_optimizer(self.options)
         self.fragments, self.delay = self.options["fragments"], self.options["merge_delay"]
-        self.layers = _check_fragments(self.groups[0], self.fragments, self.local_steps)
+        self.layers = check_fragments(self.groups[0], self.fragments, self.local_steps)
         self._merges: dict[tuple, Any] = {}
 
     @property
@@ -137,8 +137,7 @@ class FederatedTrainer:
     def fragment_due(self, step: int) -> int | None:
         """The fragment that merges after ``step`` steps, if any: fragment f every ``local_steps``
         steps at offset (f + 1) H / F, so the F fragments' merges are spread evenly over the H steps."""
-        h, f = self.local_steps, self.fragments
-        return next((k for k in range(f) if step % h == (k + 1) * h // f % h), None)
+        return fragment_due(step, self.local_steps, self.fragments)
 
     def merge(self, states: list[GroupState], fragment: int = 0, seed: int = 0,
               apply: bool = True) -> tuple[list[GroupState], list[float]]:
@@ -179,11 +178,11 @@ class FederatedTrainer:
         params = _stack(mesh, [state.train.params for state in states])
         keep = self.options["merge_mix"] if keep is None else keep
         if ("mix", fragment, keep) not in self._merges:
-            cuts, puts = _fragment_views(self.groups[0], self.fragments, self.layers, fragment)
+            cuts, puts = fragment_views(self.groups[0], self.fragments, self.layers, fragment)
 
             def mix(params, anchor):
-                part = jax.tree.map(lambda p, a: keep * p + (1 - keep) * a, _cut(params, cuts), _cut(anchor, cuts))
-                return _put(params, part, puts)
+                part = jax.tree.map(lambda p, a: keep * p + (1 - keep) * a, cut(params, cuts), cut(anchor, cuts))
+                return put(params, part, puts)
 
             self._merges["mix", fragment, keep] = jax.jit(mix, donate_argnums=0,
                                                           out_shardings=jax.tree.map(lambda x: x.sharding, params))
@@ -225,7 +224,7 @@ class FederatedTrainer:
         as it is. Compressed (``merge_sync``), the mean is of each copy's change, through the
         compressed all-reduce: the same bits in every group."""
         outer, merge_opt, sync, mesh = self.outer, self.options["merge_opt_state"], self.merge_sync, self.layout.mesh
-        cuts, puts = _fragment_views(self.groups[0], self.fragments, self.layers, fragment)
+        cuts, puts = fragment_views(self.groups[0], self.fragments, self.layers, fragment)
         specs = _stacked_specs(self.groups[0])  # (a fragment cuts the layers dim, which no spec splits)
 
         def mean(tree):
@@ -234,7 +233,7 @@ class FederatedTrainer:
 
         def merge(stacked: dict, seed):
             out = dict(stacked)
-            params, anchor = _cut(stacked["params"], cuts), _cut(stacked["anchor"], cuts)
+            params, anchor = cut(stacked["params"], cuts), cut(stacked["anchor"], cuts)
             change = jax.tree.map(lambda a, p: a - p, anchor, params)
             drift = jnp.sqrt(sum(jnp.sum(jnp.square(c), axis=tuple(range(1, c.ndim))) for c in jax.tree.leaves(change)))
             if outer is None and sync is None:
@@ -244,12 +243,12 @@ class FederatedTrainer:
                 if outer is None:
                     anchor = jax.tree.map(lambda a, d: a - d, anchor, delta)
                 else:
-                    cut_state, put_state = _state_views(outer, stacked["outer"], cuts, puts)
+                    cut_state, put_state = state_views(outer, stacked["outer"], cuts, puts)
                     updates, moved = outer.update(delta, cut_state, anchor)
                     out["outer"], anchor = put_state(moved), optax.apply_updates(anchor, updates)
-            out["anchor"] = _put(stacked["anchor"], anchor, puts)
+            out["anchor"] = put(stacked["anchor"], anchor, puts)
             if apply:
-                out["params"] = _put(stacked["params"], anchor, puts)
+                out["params"] = put(stacked["params"], anchor, puts)
             if merge_opt:
                 out["opt"] = mean(stacked["opt"])
             return out, drift
@@ -318,7 +317,13 @@ def _shard_mean(sync: grad_sync.GradSync | None, mesh: Mesh, specs, tree, seed):
     return treedef.unflatten(means)
 
 
-def _check_fragments(group: Trainer, fragments: int, local_steps: int) -> int:
+def fragment_due(step: int, local_steps: int, fragments: int) -> int | None:
+    """The fragment that merges after ``step`` steps, if any (``FederatedTrainer.fragment_due``)."""
+    h, f = local_steps, fragments
+    return next((k for k in range(f) if step % h == (k + 1) * h // f % h), None)
+
+
+def check_fragments(group: Trainer, fragments: int, local_steps: int) -> int:
     """The model's stacked layers (0 where it stacks none), refusing fragments that do not divide
     them or the local steps."""
     layers = {shape[0] for path, shape in _shapes(group).items() if group.names[path][:1] == ("layers",)}
@@ -338,32 +343,37 @@ def _shapes(group: Trainer) -> dict:
     return {path: tuple(leaf.shape) for path, leaf in flatten(group.abstract_state().params).items()}
 
 
-def _fragment_views(group: Trainer, fragments: int, layers: int, fragment: int):
-    """(cuts, puts): trees shaped like the params, of each leaf's view of ``fragment`` on stacked
-    trees: ``cut(x)`` its part (layers [a, b) of a stacked leaf; the whole of another in fragment 0,
-    none of it in the others) and ``put(x, part)`` the leaf with that part replaced."""
+def fragment_views(group: Trainer, fragments: int, layers: int, fragment: int, stacked: bool = True):
+    """(cuts, puts): trees shaped like the params, of each leaf's view of ``fragment`` (on trees
+    stacked over the groups, or on one copy's with ``stacked=False``): ``cut(x)`` its part (layers
+    [a, b) of a leaf stacked over ``layers``; the whole of another in fragment 0, none of it in the
+    others) and ``put(x, part)`` the leaf with that part replaced."""
     a, b = fragment * layers // fragments, (fragment + 1) * layers // fragments
+    layer_rows = (slice(None),) * stacked + (slice(a, b),)
+    nothing = (slice(None),) * stacked + (slice(0, 0),)
 
     def views(path):
         if fragments > 1 and group.names[path][:1] == ("layers",):
-            return (lambda x: x[:, a:b]), (lambda full, part: full.at[:, a:b].set(part))
+            return (lambda x: x[layer_rows]), (lambda full, part: full.at[layer_rows].set(part))
         if fragment == 0:
             return (lambda x: x), (lambda full, part: part)
-        return (lambda x: x[:, :0]), (lambda full, part: full)
+        return (lambda x: x[nothing]), (lambda full, part: full)
 
     table = {path: views(path) for path in _shapes(group)}
-    return nest({p: cut for p, (cut, _) in table.items()}), nest({p: put for p, (_, put) in table.items()})
+    return nest({p: view for p, (view, _) in table.items()}), nest({p: view for p, (_, view) in table.items()})
 
 
-def _cut(tree, cuts):
-    return jax.tree.map(lambda x, cut: cut(x), tree, cuts)
+def cut(tree, cuts):
+    """Each leaf's part (``fragment_views``'s cuts)."""
+    return jax.tree.map(lambda x, view: view(x), tree, cuts)
 
 
-def _put(tree, part, puts):
-    return jax.tree.map(lambda x, piece, put: put(x, piece), tree, part, puts)
+def put(tree, part, puts):
+    """``tree`` with each leaf's part replaced by ``part``'s (``fragment_views``'s puts)."""
+    return jax.tree.map(lambda x, piece, view: view(x, piece), tree, part, puts)
 
 
-def _state_views(outer: optax.GradientTransformation, state, cuts, puts):
+def state_views(outer: optax.GradientTransformation, state, cuts, puts):
     """(the outer optimizer's ``state`` cut to a fragment, ``put_state(moved)``: the whole state
     with the fragment's part replaced by ``moved``'s): each copy of the params tree in it goes
     through the views; its other fields are ``moved``'s."""
