@@ -26,20 +26,16 @@ from jaxpar.collectives.quantize import wire_bits_per_value
 from jaxpar.errors import JaxparError
 from jaxpar.models import config_record, model_and_loss
 from jaxpar.parallel import build_layout, federation, parse_strategy
-from jaxpar.run import RunConfig, batch_source, devices_for, open_data, plan_run, run_model_config
+from jaxpar.run import (
+    RunConfig, batch_source, devices_for, initial_state, model_name, open_data, plan_run, run_model_config,
+)
 from jaxpar.topology import Topology
 from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
 from jaxpar.train.federated import FederatedTrainer, inner_strategy
 
-UNSUPPORTED = (("eval_every", "--eval-every"), ("init_from", "--init-from"), ("tensorboard", "--tensorboard"))
-
-
 def check(run: RunConfig, groups: int) -> None:
-    """Refuse, before any work, what a federated run does not do yet or cannot split."""
-    for field, flag in UNSUPPORTED:
-        if getattr(run, field):
-            raise JaxparError(f"{flag} is not yet taken by a federated run (federation={groups}); drop it")
+    """Refuse, before any work, what a federated run cannot split."""
     if run.batch_size % groups:
         raise JaxparError(f"--batch-size {run.batch_size} does not split over federation={groups} groups; "
                           f"give a multiple of {groups}")
@@ -60,14 +56,18 @@ def train(run: RunConfig, topology: Topology, progress=sys.stderr, checkpoint: C
     tokens, held_out = data.split_corpus(data.corpus_tokens()) if own is None else (None, None)
     train_rows, held, batch_of = batch_source(run, trainer, cfg, tokens, held_out, own)
     ckpt = Checkpointer(checkpoint) if checkpoint else None
+    board = scalars.TensorBoard(run.tensorboard) if run.tensorboard else None
     try:
         states, start, history = _start(run, strategy, trainer, ckpt, resume, log)
-        meta = {"model": run.model, "strategy": str(strategy), "devices": trainer.layout.mesh.size, "processes": 1,
+        meta = {"model": model_name(run), "strategy": str(strategy), "devices": trainer.layout.mesh.size, "processes": 1,
                 **config_record(cfg)}
-        states = _loop(run, trainer, states, start, history, lambda step: batch_of(train_rows, step), ckpt, meta, progress)
+        watch = _Watch(run, trainer, batch_of(held, 0), board, progress, start)
+        states = _loop(run, trainer, states, start, history, lambda step: batch_of(train_rows, step), ckpt, meta, watch)
     finally:
         if ckpt:
             ckpt.close()
+        if board:
+            board.close()
     # each group's compiled step reports the loss at the weights it is given, before its update:
     # one more call of it on its share of a held-out batch (the updated state dropped) costs no compile
     held_losses = [float(group.step(state.train, batch)[1]["loss"])
@@ -97,22 +97,52 @@ def _start(run: RunConfig, strategy, trainer: FederatedTrainer, ckpt, resume: st
         if ckpt is not None and ckpt.latest_step() is not None:
             raise JaxparError(f"checkpoint directory {ckpt.directory} already holds checkpoints {ckpt.steps()}; pass --resume "
                               "to continue from the latest, or choose another --checkpoint-dir")
-        return trainer.init(run.seed), 0, fresh
+        trains = [initial_state(group, run, log if g == 0 else lambda message: None) for g, group in enumerate(trainer.groups)]
+        return trainer.start_from(trains), 0, fresh
 
     def same_run(meta):
-        if meta["strategy"] != str(strategy) or meta["model"] != run.model:
+        if meta["strategy"] != str(strategy) or meta["model"] != model_name(run):
             raise JaxparError(f"checkpoint in {ckpt.directory} is of {meta['model']} under {meta['strategy']}, not "
-                              f"{run.model} under {strategy}: resume with those, or start another --checkpoint-dir")
+                              f"{model_name(run)} under {strategy}: resume with those, or start another --checkpoint-dir")
 
     stacked, meta = ckpt.restore_newest_verified(trainer.abstract_stacked(), log, same_run)
     log(f"resuming from checkpoint {meta['step']} in {ckpt.directory}")
     return trainer.unstacked(stacked), meta["step"], meta["history"]
 
 
-def _loop(run: RunConfig, trainer: FederatedTrainer, states, start: int, history: dict, batch_at, ckpt, meta: dict, progress):
+class _Watch:
+    """What a run shows as it goes: the progress bar, the held-out loss every ``--eval-every``
+    steps (each group's copy on its share of the held-out batch, by its loss program, compiled
+    once; their mean), and ``--tensorboard``'s scalars."""
+
+    def __init__(self, run: RunConfig, trainer: FederatedTrainer, held_batches: list, board, progress, start: int):
+        self.run, self.trainer, self.held, self.board = run, trainer, held_batches, board
+        self.bar = scalars.Progress(start, run.steps, progress) if progress and start < run.steps else None
+        self.losses = [group.jit_loss(batch) for group, batch in zip(trainer.groups, held_batches)] if run.eval_every else None
+
+    def step(self, done: int, states, metrics: dict, history: dict):
+        held = None
+        if self.losses and (done % self.run.eval_every == 0 or done == self.run.steps):
+            held = float(np.mean([float(loss(state.train.params, batch))
+                                  for loss, state, batch in zip(self.losses, states, self.held)]))
+            history.setdefault("held_out_losses", []).append([done, held])
+        if self.bar:
+            status = f"loss {metrics['loss']:.3f}" + (" merged" if metrics["drift"] is not None else "")
+            self.bar.update(done, status + (f", held-out {held:.3f}" if held is not None else ""), always=held is not None)
+        if self.board:
+            drifts = {f"federation/drift_group{g}": d for g, d in enumerate(metrics["drift"] or [])}
+            self.board.add(done, {"train/loss": metrics["loss"], "eval/held_out_loss": held, **drifts})
+
+    def close(self):
+        if self.bar:
+            self.bar.close()
+
+
+def _loop(run: RunConfig, trainer: FederatedTrainer, states, start: int, history: dict, batch_at, ckpt, meta: dict,
+          watch: _Watch):
     """The steps from ``start``: a merge every ``local_steps`` and at the last step, saving as
-    ``ckpt`` says; ``history`` gets each step's loss and time and each merge's drifts."""
-    bar = scalars.Progress(start, run.steps, progress) if progress and start < run.steps else None
+    ``ckpt`` says; ``history`` gets each step's loss and time, each merge's drifts and the
+    held-out losses; ``watch`` shows them."""
     for step in range(start, run.steps):
         began = time.perf_counter()
         states, metrics = trainer.step(states, batch_at(step))
@@ -125,13 +155,11 @@ def _loop(run: RunConfig, trainer: FederatedTrainer, states, start: int, history
         if metrics["drift"] is not None:
             fragment = metrics["fragment"] if trainer.fragments > 1 else None  # (None: the whole model)
             history["merges"].append({"step": done, "drift": metrics["drift"], "fragment": fragment})
-        if bar:
-            bar.update(done, f"loss {metrics['loss']:.3f}" + (" merged" if metrics["drift"] is not None else ""))
+        watch.step(done, states, metrics, history)
         if ckpt and ckpt.should_save(done, run.steps):
             ckpt.save(done, trainer.stacked(states), dict(meta, data={"seed": run.seed, "next_step": done},
                                                           history=json.loads(json.dumps(history))))
-    if bar:
-        bar.close()
+    watch.close()
     if ckpt:
         ckpt.wait()
     return states
@@ -147,10 +175,10 @@ def _report(run: RunConfig, strategy, trainer: FederatedTrainer, plan, history: 
         wire = wire_bits_per_value(compressed.DEFAULT_BITS[sync.scheme] if sync.bits is None else sync.bits, sync.scheme) / 32
     steady = times[1:] or times
     return {
-        "model": run.model, "strategy": str(strategy), "groups": groups, "devices_per_group": group_devices,
+        "model": model_name(run), "strategy": str(strategy), "groups": groups, "devices_per_group": group_devices,
         "local_steps": local, "outer": trainer.options["outer"], "steps": run.steps, "batch_size": run.batch_size,
         "seq_len": run.seq_len, "start_step": start, "losses": losses, "step_times_s": times, "merges": history["merges"],
-        "held_out_loss": held_out_loss,
+        "held_out_loss": held_out_loss, "held_out_losses": history.get("held_out_losses", []),
         "tokens_per_s": run.batch_size * run.seq_len / float(np.median(steady)),
         "global_batch_per_merge": {"rows": run.batch_size * local, "tokens": run.batch_size * local * run.seq_len},
         # bytes a device sends across the groups per step: a merge every H steps, or HSDP's all-reduce every step
@@ -176,6 +204,8 @@ def summary(report: dict) -> list[str]:
              + ("" if report["merge_sync"]["name"] == "exact" else f"; merges compressed ({report['merge_sync']['name']})")
              if cross["federated"] else
              "one group: nothing crosses the groups"]
+    if report["held_out_losses"]:
+        lines.append("held-out loss by step: " + ", ".join(f"{step} {loss:.4f}" for step, loss in report["held_out_losses"][-8:]))
     for merge in report["merges"][-6:]:
         part = "" if merge.get("fragment") is None else f" (fragment {merge['fragment']})"
         lines.append(f"  merge at step {merge['step']}{part}: drift " + ", ".join(f"{d:.4f}" for d in merge["drift"]))

@@ -452,7 +452,7 @@ def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, re
                 f"checkpoint directory {ckpt.directory} already holds checkpoints {ckpt.steps()}; pass --resume to "
                 "continue from the latest, or choose another --checkpoint-dir (nothing there is overwritten)"
             )
-        return _initial_state(trainer, run, log), 0, None
+        return initial_state(trainer, run, log), 0, None
     # a damaged newest one is named and skipped; the one restored is checked against the run from
     # its meta first (check_meta: check_same_function), before any of its arrays is read
     state, meta = ckpt.restore_newest_verified(trainer.abstract_state(), log, check_meta)
@@ -469,7 +469,7 @@ def _start_state(trainer: Trainer, run: RunConfig, ckpt: Checkpointer | None, re
     return state, meta["step"], meta
 
 
-def _initial_state(trainer: Trainer, run: RunConfig, log):
+def initial_state(trainer: Trainer, run: RunConfig, log):
     """A fresh run's state: initialised by ``--seed``, or the weights of the ``--init-from``
     checkpoint (read verified, laid out as this run stores them) with a fresh optimizer state."""
     if not run.init_from:

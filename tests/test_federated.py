@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from conftest import trimmed_copy
 
 from jaxpar import cli
@@ -22,7 +23,7 @@ from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.run import RunConfig, run_training
 from jaxpar.topology import load_topology
-from jaxpar.train.checkpoint import load_arrays
+from jaxpar.train.checkpoint import CheckpointConfig, load_arrays
 from jaxpar.train.federated import FederatedTrainer
 from jaxpar.train.step import TrainConfig, Trainer
 from tests.test_delayed_tp import PlainMlp as MLP  # a plain Flax MLP: nnx.Linear up, GELU, down
@@ -207,34 +208,51 @@ def test_jaxpar_train_runs_the_groups_reports_the_merges_and_resumes_bitwise(tmp
     """``jaxpar train`` of the main job's Llama under FL+FSDP with DiLoCo's outer step: the first
     step's loss is HSDP's on the same global batch (each group read its own rows of it), a merge
     every 2 steps with each group's drift, the bytes across the groups per step one merge's over H
-    against HSDP's every step. Its checkpoints hold every group's copy, inner optimizer state,
-    anchor and outer momentum (stacked over ``federation``, verified on the way back): resumed
-    from step 3, between two merges, the run ends where the uninterrupted one did, bitwise."""
+    against HSDP's every step, the held-out loss every 2 steps and at the end, in the report and in
+    TensorBoard. Its checkpoints hold every group's copy, inner optimizer state, anchor and outer
+    momentum (stacked over ``federation``, verified on the way back): resumed from step 3, between
+    two merges, the run ends where the uninterrupted one did, bitwise. ``--init-from`` starts every
+    group from a checkpoint's weights."""
     argv = ["train", "--strategy", "federation=2,fsdp=4,local_steps=2,outer=nesterov", "--steps", "5", "--batch-size", "8",
-            "--seq-len", "32", "--checkpoint-every", "3"]
-    assert cli.main([*argv, "--checkpoint-dir", str(tmp_path / "a"), "--metrics-json", str(tmp_path / "a.json")]) == 0
+            "--seq-len", "32", "--checkpoint-every", "3", "--eval-every", "2"]
+    assert cli.main([*argv, "--checkpoint-dir", str(tmp_path / "a"), "--metrics-json", str(tmp_path / "a.json"),
+                     "--tensorboard", str(tmp_path / "board")]) == 0
     out = capsys.readouterr().out
     assert "2 groups of 4 devices (fsdp=4 each), merging every 2 steps (nesterov)" in out and "merge at step 4: drift" in out
     report = json.loads((tmp_path / "a.json").read_text())
-    hsdp = run_training(RunConfig(model="tiny", strategy="data=2,fsdp=4", steps=1, batch_size=8, seq_len=32), load_topology("cpu-8"),
-                        progress=None)
+    hsdp = run_training(RunConfig(model="tiny", strategy="data=2,fsdp=4", steps=2, batch_size=8, seq_len=32), load_topology("cpu-8"),
+                        progress=None, checkpoint=CheckpointConfig(str(tmp_path / "h")))  # (2: the first step's rate is 0)
     assert report["losses"][0] == pytest.approx(hsdp["losses"][0], rel=1e-6)
     assert [m["step"] for m in report["merges"]] == [2, 4, 5] and all(d > 0 for m in report["merges"] for d in m["drift"])
     merge = 2 * (llama.CONFIGS["tiny"].num_params() * 4 / 4) * (2 - 1) / 2  # float32 weights over fsdp=4
     assert report["inter_group_bytes_per_step"] == {"federated": merge / 2, "hsdp": merge}
     assert np.isfinite(report["held_out_loss"]) and report["losses"][-1] < report["losses"][0]
+    assert [step for step, _ in report["held_out_losses"]] == [2, 4, 5]
+    assert report["held_out_losses"][-1][1] == pytest.approx(report["held_out_loss"], rel=1e-6)  # the merged model's
+    board = EventAccumulator(str(tmp_path / "board"))
+    board.Reload()
+    assert [[e.step, pytest.approx(e.value, rel=1e-6)] for e in board.Scalars("eval/held_out_loss")] == report["held_out_losses"]
+    assert [e.step for e in board.Scalars("federation/drift_group1")] == [2, 4, 5]
     trimmed_copy(tmp_path / "a", tmp_path / "b", 3)  # as if stopped after step 3
     assert cli.main([*argv, "--checkpoint-dir", str(tmp_path / "b"), "--metrics-json", str(tmp_path / "b.json"), "--resume"]) == 0
     resumed = json.loads((tmp_path / "b.json").read_text())
     assert resumed["start_step"] == 3 and resumed["losses"] == report["losses"] and resumed["held_out_loss"] == report["held_out_loss"]
+    assert resumed["held_out_losses"] == report["held_out_losses"]
     a, _ = load_arrays(str(tmp_path / "a"))
     b, _ = load_arrays(str(tmp_path / "b"))
     assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    # from HSDP's checkpoint: the first loss is HSDP's from the same weights on the same batch
+    assert cli.main(["train", "--strategy", "federation=2,fsdp=4", "--steps", "1", "--batch-size", "8", "--seq-len", "32",
+                     "--init-from", str(tmp_path / "h"), "--metrics-json", str(tmp_path / "c.json")]) == 0
+    hsdp = run_training(RunConfig(model="tiny", strategy="data=2,fsdp=4", steps=1, batch_size=8, seq_len=32, init_from=str(tmp_path / "h")),
+                        load_topology("cpu-8"), progress=None)
+    assert json.loads((tmp_path / "c.json").read_text())["losses"][0] == pytest.approx(hsdp["losses"][0], rel=1e-6)
+    assert hsdp["losses"][0] != report["losses"][0]
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--batch-size", "7"], "--batch-size 7 does not split over federation=2 groups"),
-    (["--eval-every", "2"], "--eval-every is not yet taken by a federated run"),
+    (["--init-from", "/nonexistent"], "/nonexistent"),
 ])
 def test_jaxpar_train_refuses_what_a_federated_run_does_not_do_before_any_work(extra, message, capsys):
     assert cli.main(["train", "--strategy", "federation=2,fsdp=4", "--steps", "2", *extra]) == cli.EXIT_BAD_INPUT

@@ -89,9 +89,13 @@ class FederatedTrainer:
 
     def init(self, seed: int = 0) -> list[GroupState]:
         """Every group's copy from the same seed (the same values), and its anchor and outer state."""
+        return self.start_from([group.init(seed) for group in self.groups])
+
+    def start_from(self, trains: list[TrainState]) -> list[GroupState]:
+        """Each group's state from its ``TrainState`` (the same weights in every group: from one
+        seed, or one checkpoint's), with the anchor a copy of them and a fresh outer state."""
         states = []
-        for group in self.groups:
-            train = group.init(seed)
+        for train in trains:
             anchor = jax.tree.map(jnp.copy, train.params)
             states.append(GroupState(train, anchor, self.outer.init(anchor) if self.outer else None))
         return states
