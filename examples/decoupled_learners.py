@@ -3,7 +3,7 @@ process killed and another slowed in each.
 
     python examples/decoupled_learners.py [WORKDIR] [--steps 24] [--local-steps 4] [--kill-at 6]
                                           [--slow 0.5] [--quorum 3] [--grace 2] [--batch-size 8]
-                                          [--seq-len 64]        # about 4 minutes on 2 CPU cores
+                                          [--seq-len 64] [--baseline]  # about 4 minutes on 2 CPU cores
 
 1. `jaxpar launch --learners 4 --quorum 3 --grace 2 --max-restarts 1 -- jaxpar train --strategy
    "federation=4,fsdp=2,local_steps=4" ...`: 4 learner processes of 2 simulated devices each and a
@@ -16,8 +16,9 @@ In each, this script SIGKILLs the second process (learner 1, or process 1) once 
 (SIGSTOP) for ``--slow`` of every second, as a straggler shares its host. The launcher restarts a
 killed process: the learner from the newest merged model, the synchronous job whole from its last
 checkpoint. Goodput is the tokens that reach the final model per second of the job's wall time
-(a dropped report's tokens do not count); each run's held-out loss is its report's. Exits with an
-error if either job fails or if the decoupled learners' goodput is not the higher.
+(a dropped report's tokens do not count); each run's held-out loss is its report's. ``--baseline``
+runs both again without faults and gives each goodput as a share of its own fault-free one. Exits
+with an error if either job fails or if the decoupled learners' goodput is not the higher.
 """
 import argparse
 import json
@@ -68,18 +69,36 @@ def faults(status: str, victim: int, straggler: int, kill_at: int, slow: float, 
         sys.exit(f"the job ended before task {victim} reached step {kill_at}; use more --steps")
 
 
-def run(name: str, launch: list, train: list, status: str, victim: int, straggler: int, args) -> float:
-    """Launch one job with its faults; its wall time in seconds."""
-    print(f"\n*** {name} ***\n", flush=True)
+def run(name: str, launch: list, train: list, status: str, victim: int, straggler: int, args, faulty: bool) -> float:
+    """Launch one job, with its faults if ``faulty``; its wall time in seconds."""
+    print(f"\n*** {name}{'' if faulty else ', no faults'} ***\n", flush=True)
     began = time.perf_counter()
     job = subprocess.Popen([*JAXPAR, "launch", *launch, "--max-restarts", "1", "--status-dir", status, "--", *train])
     watcher = threading.Thread(target=faults, args=(status, victim, straggler, args.kill_at, args.slow, job))
-    watcher.start()
+    if faulty:
+        watcher.start()
     code = job.wait()
-    watcher.join()
+    if faulty:
+        watcher.join()
     if code != 0:
         sys.exit(f"{name} failed (status {code})")
     return time.perf_counter() - began
+
+
+def both(args, workdir: str, faulty: bool) -> dict:
+    """{name: (tokens in the final model, seconds, its report)} of the decoupled and the synchronous job."""
+    where = os.path.join(workdir, "faults" if faulty else "clean")
+    common = [*JAXPAR, "train", "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+    learners = ["--learners", "4", "--quorum", str(args.quorum), "--grace", str(args.grace)]
+    decoupled = [*common, "--strategy", f"federation=4,fsdp=2,local_steps={args.local_steps}",
+                 "--checkpoint-dir", os.path.join(where, "decoupled"), "--metrics-json", os.path.join(where, "decoupled.json")]
+    seconds = {"decoupled": run("4 decoupled learners", learners, decoupled, os.path.join(where, "s1"), 2, 3, args, faulty)}
+    synchronous = [*common, "--strategy", "data=4,fsdp=2", "--checkpoint-every", str(args.local_steps),
+                   "--checkpoint-dir", os.path.join(where, "synchronous"), "--metrics-json", os.path.join(where, "synchronous.json")]
+    seconds["synchronous"] = run("synchronous HSDP", ["--processes", "4"], synchronous, os.path.join(where, "s2"), 1, 2, args, faulty)
+    reports = {name: json.load(open(os.path.join(where, f"{name}.json"))) for name in seconds}
+    tokens = {"decoupled": reports["decoupled"]["useful_tokens"], "synchronous": args.steps * args.batch_size * args.seq_len}
+    return {name: (tokens[name], seconds[name], reports[name]) for name in seconds}
 
 
 def main():
@@ -93,32 +112,27 @@ def main():
     parser.add_argument("--grace", type=float, default=2.0)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--baseline", action="store_true", help="also run both without faults: goodput as a share of that")
     args = parser.parse_args()
     if not 0 <= args.slow < 1 or not 0 < args.kill_at < args.steps:
         parser.error("--slow must be in [0, 1) and --kill-at between 0 and --steps")
     workdir = args.workdir or tempfile.mkdtemp(prefix="jaxpar-example-")
-    common = [*JAXPAR, "train", "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
-    reports = {name: os.path.join(workdir, f"{name}.json") for name in ("decoupled", "synchronous")}
-
-    learners = ["--learners", "4", "--quorum", str(args.quorum), "--grace", str(args.grace)]
-    decoupled = [*common, "--strategy", f"federation=4,fsdp=2,local_steps={args.local_steps}",
-                 "--checkpoint-dir", os.path.join(workdir, "decoupled"), "--metrics-json", reports["decoupled"]]
-    seconds = {"decoupled": run("4 decoupled learners", learners, decoupled, os.path.join(workdir, "s1"), 2, 3, args)}
-    synchronous = [*common, "--strategy", "data=4,fsdp=2", "--checkpoint-every", str(args.local_steps),
-                   "--checkpoint-dir", os.path.join(workdir, "synchronous"), "--metrics-json", reports["synchronous"]]
-    seconds["synchronous"] = run("synchronous HSDP", ["--processes", "4"], synchronous, os.path.join(workdir, "s2"), 1, 2, args)
-
-    result = {name: json.load(open(path)) for name, path in reports.items()}
-    tokens = {"decoupled": result["decoupled"]["useful_tokens"], "synchronous": args.steps * args.batch_size * args.seq_len}
-    goodput = {name: tokens[name] / seconds[name] for name in seconds}
+    runs = {True: both(args, workdir, True)}
+    if args.baseline:
+        runs[False] = both(args, workdir, False)
     print()
-    for name in seconds:
-        print(f"{name:>11}: {tokens[name]:,} tokens in the final model in {seconds[name]:.1f} s: goodput "
-              f"{goodput[name]:,.0f} tokens/s; held-out loss {result[name]['held_out_loss']:.4f}")
-    dropped = result["decoupled"]["dropped"]
-    print(f"the decoupled learners dropped {len(dropped)} late reports ([round, learner]: {dropped}); "
-          f"their goodput is {goodput['decoupled'] / goodput['synchronous']:.2f}x the synchronous job's")
-    if goodput["decoupled"] <= goodput["synchronous"]:
+    goodput = {}
+    for faulty, jobs in runs.items():
+        for name, (tokens, seconds, report) in jobs.items():
+            goodput[name, faulty] = tokens / seconds
+            print(f"{name:>11}, {'with' if faulty else 'without'} faults: {tokens:,} tokens in the final model in {seconds:.1f} s: "
+                  f"goodput {goodput[name, faulty]:,.0f} tokens/s; held-out loss {report['held_out_loss']:.4f}")
+    for name in runs[True] if args.baseline else ():
+        print(f"{name:>11}: goodput under the faults {goodput[name, True] / goodput[name, False]:.0%} of its own without them")
+    dropped = runs[True]["decoupled"][2]["dropped"]
+    print(f"the decoupled learners dropped {len(dropped)} late reports ([round, learner]: {dropped}); under the faults "
+          f"their goodput is {goodput['decoupled', True] / goodput['synchronous', True]:.2f}x the synchronous job's")
+    if goodput["decoupled", True] <= goodput["synchronous", True]:
         sys.exit("the decoupled learners' goodput is not above the synchronous job's")
 
 
