@@ -549,7 +549,9 @@ def _train(args) -> int:
 
     own_runner = runner(parse_strategy(run.strategy, topology.num_chips))
     if own_runner:
-        if launch.local_share(topology.num_chips, dist) != topology.num_chips and not os.environ.get(launch.ENV_ROLE):
+        if os.environ.get(launch.ENV_ROLE):  # one process of jaxpar launch --learners: a learner may be a job of several
+            launch.initialize(dist, topology.platform)
+        elif launch.local_share(topology.num_chips, dist) != topology.num_chips:
             raise JaxparError(f"--strategy {run.strategy} runs in one process yet; drop the multi-process options")
         return _train_apart(args, topology, run, own_runner, checkpoint, resume)
     launch.initialize(dist, topology.platform)

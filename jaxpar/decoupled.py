@@ -2,7 +2,8 @@
 "federation=M,..." --checkpoint-dir DIR``: the M groups of a federated run as M separate jobs, each
 training at its own pace, and a syncer that merges them.
 
-Each learner is one process on its own devices (its share of the topology's), training the rest
+Each learner is its own job (``--processes`` of them, one ``jax.distributed`` job; one process by
+default) on its own devices (its share of the topology's), training the rest
 of the strategy on its rows of every global batch (learner i reads group i's rows, as
 ``FederatedTrainer`` does) for ``local_steps`` steps from the newest merged model. Then it saves its
 state as a verified checkpoint (``DIR/learner-<i>``), reports the round and its tokens to the
@@ -175,23 +176,23 @@ def learn(job: Job, topology: Topology, progress=sys.stderr) -> None:
     learner = int(os.environ[launch.ENV_LEARNER])
     log = (lambda message: print(f"learner {learner}: {message}", file=progress, flush=True)) if progress else (lambda m: None)
     run, faults = job.run, launch.parse_faults(os.environ.get(launch.ENV_FAULTS, ""), job.learners).get(learner, {})
-    inner = parse_strategy(inner_strategy(parse_strategy(run.strategy, topology.num_chips)), len(jax.devices("cpu")))
+    inner = parse_strategy(inner_strategy(parse_strategy(run.strategy, topology.num_chips)), len(jax.devices()))
     cfg = run_model_config(run)
     train_cfg = dataclasses.replace(run.train, total_steps=run.steps, memory_bytes=run.train.memory_bytes or topology.hbm_bytes)
-    trainer = Trainer(build_layout(inner, jax.devices("cpu")), *model_and_loss(cfg), train_cfg)
+    trainer = Trainer(build_layout(inner, jax.devices()), *model_and_loss(cfg), train_cfg)
     check_fragments(trainer, job.options["fragments"], job.options["local_steps"])  # before any work
     own = open_data(run, log)
     tokens, held_out = data.split_corpus(data.corpus_tokens()) if own is None else (None, None)
     train_rows, _, batch_of = batch_source(run, _LearnerRows(trainer, learner, job.learners), cfg, tokens, held_out, own)
-    exchange = Exchange(1 + learner, launch.startup_timeout(os.environ))
+    exchange = Exchange(int(os.environ[launch.ENV_TASK]), launch.startup_timeout(os.environ))
     mine = Checkpointer(CheckpointConfig(os.path.join(job.directory, f"learner-{learner}"), every=1, keep=job.keep))
     try:
         state, last = _learner_start(trainer, mine, run.seed, log)
         round_ = exchange.wait_merged(-1)
         share = run.batch_size // job.learners * run.seq_len
         while True:
-            if last is not None and round_ == last:  # restarted after its report (or its save): the merge is to come
-                if learner not in exchange.reports(last):
+            if last is not None and round_ == last:  # after its report (or, restarted, its save): the merge is to come
+                if learner not in exchange.reports(last) and jax.process_index() == 0:  # (its process 0 speaks for it)
                     exchange.report(last, learner, {"tokens": share * (job.round_end(last) - job.round_start(last)),
                                                     "step": job.round_end(last)})
                 round_ = exchange.wait_merged(last)
@@ -260,7 +261,7 @@ def sync(job: Job, topology: Topology, progress=sys.stderr) -> dict:
     check_fragments(trainer, job.options["fragments"], job.options["local_steps"])  # before any work
     outer = outer_optimizer(job.options)
     merged = Checkpointer(CheckpointConfig(os.path.join(job.directory, "merged"), every=1, keep=max(job.keep, 2)))
-    exchange = Exchange(0, launch.startup_timeout(os.environ))
+    exchange = Exchange(int(os.environ[launch.ENV_TASK]), launch.startup_timeout(os.environ))
     began = time.time()
     try:
         (anchor, outer_state), round_, history = _syncer_start(job, trainer, outer, merged, log)

@@ -47,6 +47,7 @@ ENV_QUORUM = "JAXPAR_QUORUM"
 ENV_GRACE = "JAXPAR_GRACE"
 ENV_FAULTS = "JAXPAR_FAULTS"  # --inject-faults
 ENV_STARTUP_TIMEOUT = "JAXPAR_STARTUP_TIMEOUT"
+ENV_TASK = "JAXPAR_TASK"  # this process's task in the store, and its progress file's number
 
 
 MULTI_HOST = "multi-host (jax.distributed; default: detect SLURM / Open MPI / Cloud TPU, else one process)"
@@ -134,10 +135,10 @@ def local_share(num_chips: int, args: DistributedArgs = DistributedArgs(), envir
     them for one process, an equal share in a job whose process count is known up front."""
     if environ.get(ENV_ROLE) == "syncer":  # it merges on the host: one device
         return 1
-    if environ.get(ENV_ROLE) == "learner":  # its group's share
-        count = int(environ[ENV_LEARNERS])
+    if environ.get(ENV_ROLE) == "learner":  # its group's share, over the learner's own processes
+        count = int(environ[ENV_LEARNERS]) * int(environ.get(ENV_NUM_PROCESSES, 1))
         if num_chips % count:
-            raise JaxparError(f"{num_chips} chips do not split evenly over {count} learners; use a learner count that divides {num_chips}")
+            raise JaxparError(f"{num_chips} chips do not split evenly over {count} learner processes; use counts that divide {num_chips}")
         return num_chips // count
     explicit = _explicit(args, environ) if args.mode != "off" else None
     count = explicit[1] if explicit else 1
@@ -185,7 +186,7 @@ def report_progress(phase: str, step: int, environ=os.environ):
     directory = environ.get(ENV_STATUS_DIR)
     if not directory:
         return
-    rank = environ.get(ENV_PROCESS_ID, "0")
+    rank = environ.get(ENV_TASK, environ.get(ENV_PROCESS_ID, "0"))
     path = os.path.join(directory, f"process-{rank}.json")
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -210,8 +211,9 @@ LEARNERS = "decoupled learners (jaxpar launch --learners M -- jaxpar train --str
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     # jaxpar launch's options (jaxpar.flags)
-    # None: 2 for one job; with --learners, each learner is one process (more are refused, yet)
-    processes: int | None = flag(None, commands=("launch",), help="processes to start on this machine (default 2)")
+    # None: 2 for one job; with --learners, 1 for each learner
+    processes: int | None = flag(None, commands=("launch",), help="processes to start on this machine (default 2; with --learners, "
+                                                                    "of each learner, default 1)")
     # simulated CPU devices each; None: the topology's chips / processes
     devices_per_process: int | None = flag(None, commands=("launch",), help="simulated CPU devices per process (default: the topology's chips / processes)")
     max_restarts: int = flag(0, commands=("launch",), help="restart the whole job this many times after a failure (default 0)")
@@ -458,8 +460,8 @@ def _check_learners(cfg: LaunchConfig) -> int:
         raise JaxparError(f"--quorum {quorum} must be between 1 and the {learners} learners: a merge waits for that many reports")
     if cfg.grace_s < 0:
         raise JaxparError(f"--grace {cfg.grace_s} must be 0 or more seconds")
-    if cfg.processes not in (None, 1):
-        raise JaxparError(f"--processes {cfg.processes}: each learner is one process yet; drop --processes")
+    if cfg.processes is not None and cfg.processes < 1:
+        raise JaxparError(f"--processes {cfg.processes} must be at least 1 (the processes of each learner)")
     if cfg.max_restarts < 0:
         raise JaxparError(f"--max-restarts {cfg.max_restarts} must be 0 or more")
     parse_faults(cfg.inject_faults, learners)
@@ -467,66 +469,79 @@ def _check_learners(cfg: LaunchConfig) -> int:
 
 
 class _Learners:
-    """The syncer (task 0) and the learners (tasks 1..M) of a decoupled run, each restarted on its
-    own when it dies (``max_restarts`` times each), around the launcher's key-value store."""
+    """The syncer (member 0, one process) and the learners (members 1..M, ``processes`` each: one
+    ``jax.distributed`` job apiece) of a decoupled run around the launcher's key-value store, whose
+    tasks are the syncer (0) and every learner process (1 + i P + p). A member is restarted whole
+    when one of its processes dies (``max_restarts`` times each)."""
 
     def __init__(self, command, cfg: LaunchConfig, quorum: int, status_dir: str, out):
         self.command, self.cfg, self.status_dir, self.out = command, cfg, status_dir, out
+        self.each = cfg.processes or 1
         self.port = cfg.port or _free_port()
-        self.service = kv_service(self.port, cfg.learners + 1)
+        self.service = kv_service(self.port, 1 + cfg.learners * self.each)
         self.env = {ENV_LEARNERS: str(cfg.learners), ENV_SYNCER: f"127.0.0.1:{self.port}", ENV_QUORUM: str(quorum),
                     ENV_GRACE: str(cfg.grace_s), ENV_FAULTS: cfg.inject_faults, ENV_STATUS_DIR: status_dir,
                     ENV_STARTUP_TIMEOUT: str(cfg.startup_timeout_s), "PYTHONUNBUFFERED": "1"}
         self.procs, self.threads, self.restarts = {}, [], dict.fromkeys(range(cfg.learners + 1), 0)
-        for task in range(cfg.learners + 1):
-            self.start(task)
+        for member in range(cfg.learners + 1):
+            self.start(member)
 
-    def name(self, task: int) -> str:
-        return "syncer" if task == 0 else f"learner {task - 1}"
+    def name(self, member: int) -> str:
+        return "syncer" if member == 0 else f"learner {member - 1}"
 
-    def start(self, task: int):
-        env = dict(os.environ, **self.env)
-        env.pop(ENV_RESUME, None)
-        env.update({ENV_ROLE: "syncer" if task == 0 else "learner", ENV_PROCESS_ID: str(task)})
-        if task:
-            env[ENV_LEARNER] = str(task - 1)
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-        if self.cfg.devices_per_process and task:
-            flags.append(f"--xla_force_host_platform_device_count={self.cfg.devices_per_process}")
-        env["XLA_FLAGS"] = " ".join(flags)
-        if self.restarts[task]:
-            env[ENV_RESUME] = "auto"
-        proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        prefix = "[syncer] " if task == 0 else f"[l{task - 1}] "
-        thread = threading.Thread(target=_pump, args=(proc.stdout, prefix, self.out), daemon=True)
-        thread.start()
-        self.procs[task] = proc
-        self.threads.append(thread)
+    def start(self, member: int):
+        """Start ``member``'s processes (again, after a failure: resuming)."""
+        count = 1 if member == 0 else self.each
+        coordinator = f"127.0.0.1:{_free_port()}"  # the learner's own jax.distributed job
+        self.procs[member] = []
+        for rank in range(count):
+            env = dict(os.environ, **self.env)
+            for name in (ENV_RESUME, ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID):
+                env.pop(name, None)
+            task = 0 if member == 0 else 1 + (member - 1) * self.each + rank
+            env.update({ENV_ROLE: "syncer" if member == 0 else "learner", ENV_TASK: str(task)})
+            if member:
+                env[ENV_LEARNER] = str(member - 1)
+            if count > 1:
+                env.update({ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(count), ENV_PROCESS_ID: str(rank)})
+            flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+            if self.cfg.devices_per_process and member:
+                flags.append(f"--xla_force_host_platform_device_count={self.cfg.devices_per_process}")
+            env["XLA_FLAGS"] = " ".join(flags)
+            if self.restarts[member]:
+                env[ENV_RESUME] = "auto"
+            proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            prefix = "[syncer] " if member == 0 else f"[l{member - 1}" + (f".{rank}] " if count > 1 else "] ")
+            thread = threading.Thread(target=_pump, args=(proc.stdout, prefix, self.out), daemon=True)
+            thread.start()
+            self.procs[member].append(proc)
+            self.threads.append(thread)
 
     def wait(self, poll_s: float = 0.2) -> int:
-        """Until the syncer finishes (0): each process that dies restarted while it has restarts
-        left; a refused input, or too few learners left for the quorum, ends the job."""
+        """Until the syncer finishes (0): each member one of whose processes dies restarted whole
+        while it has restarts left; a refused input, or too few learners left for the quorum, ends
+        the job."""
         quorum, gone = int(self.env[ENV_QUORUM]), set()
         while True:
-            code = self.procs[0].poll()
-            if code == 0:
+            if self.procs[0][0].poll() == 0:
                 self._let_learners_finish()
                 return 0
-            for task, proc in self.procs.items():
-                code = proc.poll()
-                if code in (None, 0) or task in gone:
+            for member, procs in self.procs.items():
+                failed = [p for p in procs if p.poll() not in (None, 0)]
+                if not failed or member in gone:
                     continue
-                why = f"{self.name(task)} (pid {proc.pid}) {_describe_exit(code)}"
-                if code == EXIT_BAD_INPUT:
+                why = f"{self.name(member)} (pid {failed[0].pid}) {_describe_exit(failed[0].returncode)}"
+                if failed[0].returncode == EXIT_BAD_INPUT:
                     raise JaxparError(f"{why}: the command refused its input (its message is above); fix the command")
-                if self.restarts[task] < self.cfg.max_restarts:
-                    self.restarts[task] += 1
-                    self.out.write(f"jaxpar launch: {why}; restarting it (restart {self.restarts[task]} of {self.cfg.max_restarts})\n")
-                    self.start(task)
+                _stop(procs, [])  # its other processes wait on the dead one
+                if self.restarts[member] < self.cfg.max_restarts:
+                    self.restarts[member] += 1
+                    self.out.write(f"jaxpar launch: {why}; restarting it (restart {self.restarts[member]} of {self.cfg.max_restarts})\n")
+                    self.start(member)
                     continue
-                if task == 0 or self.cfg.learners - len(gone | {task}) < quorum:
+                if member == 0 or self.cfg.learners - len(gone | {member}) < quorum:
                     raise JobFailed(f"{why}; no restarts left (--max-restarts {self.cfg.max_restarts}), and the job cannot go on without it")
-                gone.add(task)
+                gone.add(member)
                 self.out.write(f"jaxpar launch: {why}; no restarts left: the others go on without it\n")
             time.sleep(poll_s)
 
@@ -534,11 +549,11 @@ class _Learners:
         """Learners end on the last merge's announcement; one still busy (slow, or restarting) has
         nothing left to add: it gets the grace window and a little more, then is stopped."""
         deadline = time.time() + self.cfg.grace_s + 30.0
-        while time.time() < deadline and any(p.poll() is None for p in self.procs.values()):
+        while time.time() < deadline and any(p.poll() is None for procs in self.procs.values() for p in procs):
             time.sleep(0.1)
 
     def stop(self):
-        _stop(list(self.procs.values()), self.threads)
+        _stop([p for procs in self.procs.values() for p in procs], self.threads)
         self.service.shutdown()
 
 
