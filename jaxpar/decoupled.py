@@ -140,6 +140,10 @@ class Exchange:
     def reports(self, round_: int) -> dict[int, dict]:
         return {int(k): v for k, v in _keyed(f"report/{round_}/", self.client.key_value_dir_get(f"report/{round_}/")).items()}
 
+    def all_reports(self) -> set[tuple[int, int]]:
+        """(round, learner) of every report so far."""
+        return {tuple(int(part) for part in key.split("/")[1:3]) for key, _ in self.client.key_value_dir_get("report/")}
+
     def announce(self, round_: int, record: dict):
         self.client.key_value_set(f"merged/{round_}", json.dumps(record), allow_overwrite=True)
 
@@ -341,15 +345,12 @@ def _learner_params(job: Job, trainer: Trainer, learner: int, step: int):
 
 
 def _late(exchange: Exchange, round_: int, history: dict) -> list[list[int]]:
-    """[round, learner] of each report that came after its round was merged (dropped), newly seen."""
+    """[round, learner] of each report, newly seen, for a round merged without it (dropped): a slow
+    learner may be rounds behind, the others having merged without it meanwhile."""
     seen = {tuple(d) for m in history["merges"] for d in m["record"]["dropped"]}
-    late = []
-    for merge in history["merges"][-3:]:  # (a learner reports at most one round behind the newest it has seen)
-        done = merge["round"] - 1
-        for learner in exchange.reports(done):
-            if learner not in merge["record"]["included"] and (done, learner) not in seen:
-                late.append([done, learner])
-    return late
+    included = {m["round"] - 1: set(m["record"]["included"]) for m in history["merges"]}
+    return [[r, learner] for r, learner in sorted(exchange.all_reports())
+            if r in included and learner not in included[r] and (r, learner) not in seen]
 
 
 def _sync_report(job: Job, trainer: Trainer, anchor, history: dict, seconds: float, quorum: int, grace: float) -> dict:

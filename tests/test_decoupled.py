@@ -66,6 +66,9 @@ class Store:
         now = time.time() - self.start
         return {learner: {"tokens": 10, "step": 2} for (r, learner), at in self.arrivals.items() if r == round_ and at <= now}
 
+    def all_reports(self) -> set:
+        return {key for key, at in self.arrivals.items() if at <= time.time() - self.start}
+
 
 def test_a_merge_waits_for_the_quorum_then_the_grace_window_and_late_reports_are_dropped():
     store = Store({(0, 0): 0.0, (0, 1): 0.3, (0, 2): 5.0})
@@ -78,6 +81,9 @@ def test_a_merge_waits_for_the_quorum_then_the_grace_window_and_late_reports_are
     assert decoupled._late(store, 1, history) == [[0, 2]]  # round 0's report of learner 2 came after its merge
     history["merges"].append({"round": 2, "record": {"included": [0, 1, 2], "dropped": [[0, 2]]}})
     assert decoupled._late(store, 2, history) == []  # recorded once
+    store.arrivals[1, 2] = 0.0  # rounds behind: merged three times without it meanwhile
+    history["merges"] = [{"round": r, "record": {"included": [0, 1], "dropped": []}} for r in (1, 2, 3, 4)]
+    assert decoupled._late(store, 4, history) == [[0, 2], [1, 2]]
 
 
 @pytest.mark.parametrize("argv, message", [
