@@ -15,9 +15,10 @@ the merged model and the outer optimizer's state (``DIR/merged``, verified) and 
 
 - A learner whose report comes after its round was merged is late: its update is dropped (the
   syncer records it), and it goes on from the newest merged model.
-- A learner that dies is restarted by the launcher: it takes the newest merged model, keeps its own
-  inner optimizer state from its last checkpoint, and joins the round in progress; the others
-  go on meanwhile when the quorum allows.
+- A learner that dies is restarted by the launcher from its own last checkpoint (its copy and its
+  inner optimizer state): if that round's merge included it, it takes the merged fragment as it
+  would have, else the whole newest merged model, and joins the round in progress; the others go
+  on meanwhile when the quorum allows.
 - The syncer restarted resumes from its newest merged checkpoint; reports wait in the store.
 - ``fragments=F``: a round ends at each fragment's merge (``FederatedTrainer``'s schedule) and
   merges that fragment only; a learner whose report it included takes that fragment from the
@@ -56,6 +57,7 @@ from jaxpar.train.federated import (
 from jaxpar.train.step import Trainer
 
 POLL_S = 0.05  # how often the syncer looks for reports
+_TAKE: dict = {}  # a learner's program that puts a merged fragment into its copy, by fragment (one job a process)
 
 
 def role() -> str | None:
@@ -232,9 +234,11 @@ def _take_merged(job: Job, trainer: Trainer, state, round_: int, merged_part: in
     finally:
         merged.close()
     if merged_part is not None:
-        cuts, puts = job.views(trainer, merged_part)
-        params = jax.jit(lambda mine, new: put(mine, cut(new, cuts), puts), out_shardings=trainer.state_shardings.params)(
-            state.params, params)
+        fragment = job.fragment(merged_part)
+        if fragment not in _TAKE:  # one program per fragment
+            cuts, puts = job.views(trainer, merged_part)
+            _TAKE[fragment] = jax.jit(lambda mine, new: put(mine, cut(new, cuts), puts), out_shardings=trainer.state_shardings.params)
+        params = _TAKE[fragment](state.params, params)
     step = jax.device_put(np.asarray(job.round_start(round_), state.step.dtype), state.step.sharding)
     return state._replace(params=params, step=step)
 
