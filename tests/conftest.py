@@ -40,9 +40,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # long files last and left one worker running them alone at the end). The longest files start
 # first, roughly longest first (seconds of one worker in a full run, measured here).
 LONGEST_FIRST = ["test_compile.py", "test_expert_parallel.py", "test_equivalence.py", "test_readme.py", "test_planner.py",
-                 "test_examples.py", "test_pipeline.py", "test_context.py",
+                 "test_examples.py", "test_pipeline.py", "test_federated.py", "test_context.py",
                  "test_any_model.py", "test_analysis_report.py", "test_compressed.py", "test_grad_sync.py", "test_multihost.py",
-                 "test_checkpoint.py", "test_main_job.py", "test_generate_cli.py", "test_federated.py", "test_corpus.py",
+                 "test_decoupled.py", "test_checkpoint.py", "test_main_job.py", "test_generate_cli.py", "test_corpus.py",
                  "test_convert.py", "test_mpmd.py", "test_kernels_ring.py",
                  "test_bd3lm_sampler.py", "test_bd3lm.py", "test_block_parallel.py", "test_llama_decode.py", "test_delayed_tp.py",
                  "test_check.py", "test_experts.py", "test_dcp.py", "test_kernels_quantize.py", "test_axonn.py", "test_wheel.py", "test_attention.py",
