@@ -534,6 +534,9 @@ def _train(args) -> int:
     elif given:
         flag, value = next(iter(given.values()))
         raise JaxparError(f"{flag} {value} does nothing without --checkpoint-dir; add --checkpoint-dir DIR or drop it")
+    if os.environ.get(launch.ENV_ROLE) and "every" in given:  # (their exchange: every round's end is saved)
+        raise JaxparError(f"--checkpoint-every {given['every'][1]}: decoupled learners and their syncer save at every "
+                          "round's end, as the merges need; drop --checkpoint-every")
     # a job the launcher restarts resumes if it saves checkpoints at all
     resume = args.resume or (os.environ.get(launch.ENV_RESUME, "never") if checkpoint else "never")
     strategy = args.strategy + (f",context_algorithm={args.context_algorithm}" if args.context_algorithm else "")

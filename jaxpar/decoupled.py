@@ -23,6 +23,10 @@ the merged model and the outer optimizer's state (``DIR/merged``, verified) and 
 - ``fragments=F``: a round ends at each fragment's merge (``FederatedTrainer``'s schedule) and
   merges that fragment only; a learner whose report it included takes that fragment from the
   merged model and keeps its own copy of the rest. The last step merges every fragment.
+- ``merge_delay=D`` (Streaming DiLoCo's overlap): after its report a learner trains the next round's
+  first D steps from its own copy while the syncer merges, then brings the merged fragment in as
+  the one-process run does (``merge_mix`` of its copy's plus the rest of the merged one): the
+  exchange and the merge run behind those steps. The merged model equals the one-process run's.
 
 Control goes through JAX's coordination service, the key-value store that ``jax.distributed``
 uses, hosted by the launcher with recoverable tasks (so one process may die and rejoin); the
@@ -47,7 +51,7 @@ from jaxpar import launch
 from jaxpar.errors import JaxparError
 from jaxpar.models import model_and_loss
 from jaxpar.parallel import build_layout, federation, parse_strategy
-from jaxpar.run import RunConfig, batch_source, open_data, run_model_config
+from jaxpar.run import RunConfig, batch_source, model_name, open_data, run_model_config
 from jaxpar.topology import Topology
 from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
@@ -74,6 +78,7 @@ class Job:
     learners: int
     options: dict  # federation's (local steps, fragments, outer optimizer)
     keep: int  # checkpoints kept in each directory (--keep-checkpoints; every round is saved)
+    identity: dict  # what its checkpoints say they are of (model, strategy, learners, steps): a restart checks it
     # (step, fragment) at the end of each round: fragment f at its steps of the fragment schedule,
     # every fragment (None) at the last step, so that the run ends with one model
     ends: tuple
@@ -90,21 +95,30 @@ class Job:
         return self.ends[round_ - 1][0] if round_ else 0
 
     def fragment(self, round_: int) -> int | None:
-        """The fragment round ``round_``'s merge changes (None: all of them)."""
+        """The fragment round ``round_`` ends with (None: the last round, which ends with all of them)."""
         return self.ends[round_][1]
 
-    def views(self, trainer: Trainer, round_: int):
-        """(cuts, puts) of round ``round_``'s fragment on one copy's params (``fragment_views``)."""
-        fragments, fragment = self.options["fragments"], self.fragment(round_)
-        if fragment is None:
-            params = trainer.abstract_state().params
-            return jax.tree.map(lambda _: (lambda x: x), params), jax.tree.map(lambda _: (lambda full, part: part), params)
+    def merged_fragments(self, round_: int) -> tuple[int, ...]:
+        """The fragments round ``round_``'s merge changes: its own; at the last round every one but
+        those merged in the last ``merge_delay`` steps, whose merge has not reached the copies yet
+        (the merged model holds them already)."""
+        if self.fragment(round_) is not None:
+            return (self.fragment(round_),)
+        local, count, end = self.options["local_steps"], self.options["fragments"], self.run.steps
+        pending = {fragment_due(step, local, count) for step in range(end - self.options["merge_delay"] + 1, end)}
+        return tuple(f for f in range(count) if f not in pending)
+
+    def views(self, trainer: Trainer, fragment: int):
+        """(cuts, puts) of ``fragment`` on one copy's params (``fragment_views``)."""
+        fragments = self.options["fragments"]
         layers = check_fragments(trainer, fragments, self.options["local_steps"])
         return fragment_views(trainer, fragments, layers, fragment, stacked=False)
 
 
-def job_of(run: RunConfig, topology: Topology, checkpoint: CheckpointConfig | None, environ=os.environ) -> Job:
-    """The job ``run`` describes under the launcher's ``environ``, refusing in words what does not fit."""
+def job_of(run: RunConfig, topology: Topology, checkpoint: CheckpointConfig | None, resume: str = "never",
+           environ=os.environ) -> Job:
+    """The job ``run`` describes under the launcher's ``environ``, refusing in words what does not fit
+    (and, in the syncer unless ``resume``, a checkpoint directory that already holds merges)."""
     learners = int(environ[launch.ENV_LEARNERS])
     if checkpoint is None:
         raise JaxparError("decoupled learners exchange weights through checkpoints: give --checkpoint-dir DIR")
@@ -114,15 +128,25 @@ def job_of(run: RunConfig, topology: Topology, checkpoint: CheckpointConfig | No
     if groups != learners:
         raise JaxparError(f"--learners {learners} runs federation={learners}, but --strategy {run.strategy} has "
                           f"federation={groups}; give federation={learners}")
-    if strategy.options["merge_delay"]:
-        raise JaxparError("merge_delay is for the one-process run; decoupled learners already train on until a merge "
-                          "arrives: drop merge_delay")
     if run.batch_size % learners:
         raise JaxparError(f"--batch-size {run.batch_size} does not split over {learners} learners; give a multiple of {learners}")
     local, fragments = strategy.options["local_steps"], strategy.options["fragments"]
     ends = [(step, fragment_due(step, local, fragments)) for step in range(1, run.steps)]
     ends = tuple((step, f) for step, f in ends if f is not None) + ((run.steps, None),)
-    return Job(run, checkpoint.directory, learners, strategy.options, checkpoint.keep, ends)
+    merged = os.path.join(checkpoint.directory, "merged")
+    if environ.get(launch.ENV_ROLE) == "syncer" and resume == "never" and os.path.isdir(merged) and os.listdir(merged):
+        raise JaxparError(f"{merged} already holds merges; pass --resume to go on with that job, or choose another --checkpoint-dir")
+    identity = {"model": model_name(run), "strategy": str(strategy), "learners": learners, "steps": run.steps}
+    return Job(run, checkpoint.directory, learners, strategy.options, checkpoint.keep, identity, ends)
+
+
+def _same_job(job: Job, directory: str):
+    """A restore's check that a checkpoint in ``directory`` is of ``job``."""
+    def check(meta):
+        if meta.get("job") != job.identity:
+            raise JaxparError(f"checkpoint in {directory} is of {meta.get('job')}, not of this job, {job.identity}: resume "
+                              "with that job's options, or start another --checkpoint-dir")
+    return check
 
 
 def _keyed(prefix: str, entries) -> dict:
@@ -193,41 +217,54 @@ def learn(job: Job, topology: Topology, progress=sys.stderr) -> None:
     exchange = Exchange(int(os.environ[launch.ENV_TASK]), launch.startup_timeout(os.environ))
     mine = Checkpointer(CheckpointConfig(os.path.join(job.directory, f"learner-{learner}"), every=1, keep=job.keep))
     try:
-        state, last = _learner_start(trainer, mine, run.seed, log)
+        state, last = _learner_start(job, trainer, mine, log)
         round_ = exchange.wait_merged(-1)
-        share = run.batch_size // job.learners * run.seq_len
+        share, delay = run.batch_size // job.learners * run.seq_len, job.options["merge_delay"]
+        train = lambda state, start, stop: _train_steps(trainer, state, start, stop, lambda step: batch_of(train_rows, step), faults, learner)
         while True:
+            early = None  # (with merge_delay) the next round's first steps, trained while the syncer merges
+            if last is not None and round_ == last and learner not in exchange.reports(last) and jax.process_index() == 0:
+                exchange.report(last, learner, {"tokens": share * (job.round_end(last) - job.round_start(last)),
+                                                "step": job.round_end(last)})  # (its process 0 speaks for it)
+            if delay and last is not None and round_ in (last, last + 1) and last + 1 < job.rounds:
+                early = train(state, job.round_start(last + 1), min(job.round_start(last + 1) + delay, job.round_end(last + 1)))
             if last is not None and round_ == last:  # after its report (or, restarted, its save): the merge is to come
-                if learner not in exchange.reports(last) and jax.process_index() == 0:  # (its process 0 speaks for it)
-                    exchange.report(last, learner, {"tokens": share * (job.round_end(last) - job.round_start(last)),
-                                                    "step": job.round_end(last)})
                 round_ = exchange.wait_merged(last)
                 log(f"round {round_} merged")
             if round_ >= job.rounds:
                 break
             ours = last is not None and round_ == last + 1 and learner in exchange.merged()[round_]["included"]
-            state = _take_merged(job, trainer, state, round_, last if ours else None)  # else behind: the whole model
-            state = _train_round(job, trainer, state, round_, lambda step: batch_of(train_rows, step), faults, learner)
-            mine.save(job.round_end(round_), state, {"round": round_, "learner": learner})
+            start = job.round_start(round_)
+            if ours and early is not None:  # Streaming DiLoCo's overlap: the merged fragment mixed in D steps late
+                start = int(early.step)
+                state = _take_merged(job, trainer, early, round_, last, job.options["merge_mix"]) if start == job.round_start(round_) + delay else early
+            else:  # the merged fragment, or (behind) the whole merged model
+                state = _take_merged(job, trainer, state, round_, last if ours else None)
+                if last is not None and not ours:
+                    log(f"its report of round {last} was not merged: goes on from the merged model at step {start}")
+            state = train(state, start, job.round_end(round_))
+            mine.save(job.round_end(round_), state, {"round": round_, "learner": learner, "job": job.identity})
             mine.wait()  # the report names a complete checkpoint, never one being written
             last = round_
     finally:
         mine.close()
 
 
-def _learner_start(trainer: Trainer, mine: Checkpointer, seed: int, log):
+def _learner_start(job: Job, trainer: Trainer, mine: Checkpointer, log):
     """(a fresh state, None), or (a restarted learner) (its state as it saved it at the end of a
     round, that round): its copy and its inner optimizer state are not lost."""
     if mine.latest_step() is None:
-        return trainer.init(seed), None
-    state, meta = mine.restore_newest_verified(trainer.abstract_state(), log)
+        return trainer.init(job.run.seed), None
+    state, meta = mine.restore_newest_verified(trainer.abstract_state(), log, _same_job(job, mine.directory))
     log(f"restarted from its checkpoint of round {meta['round']}")
     return state, meta["round"]
 
 
-def _take_merged(job: Job, trainer: Trainer, state, round_: int, merged_part: int | None):
-    """``state`` at the start of round ``round_``: the merged model's weights (only the fragment
-    that round ``merged_part`` merged, where the learner goes on from its own copy) and step."""
+def _take_merged(job: Job, trainer: Trainer, state, round_: int, merged_part: int | None, keep: float | None = None):
+    """``state`` with the merged model of round ``round_``'s start: its weights and step, or only
+    the fragment that round ``merged_part`` merged, where the learner goes on from its own copy;
+    with ``keep`` (a delayed merge) that fragment becomes ``keep`` of the copy's plus the rest of
+    the merged one, and the step stays."""
     merged = Checkpointer(CheckpointConfig(os.path.join(job.directory, "merged")), writer=False)
     try:
         params = merged.restore_params(trainer.abstract_state().params, job.round_start(round_))
@@ -235,16 +272,23 @@ def _take_merged(job: Job, trainer: Trainer, state, round_: int, merged_part: in
         merged.close()
     if merged_part is not None:
         fragment = job.fragment(merged_part)
-        if fragment not in _TAKE:  # one program per fragment
-            cuts, puts = job.views(trainer, merged_part)
-            _TAKE[fragment] = jax.jit(lambda mine, new: put(mine, cut(new, cuts), puts), out_shardings=trainer.state_shardings.params)
-        params = _TAKE[fragment](state.params, params)
+        if (fragment, keep) not in _TAKE:  # one program per fragment
+            cuts, puts = job.views(trainer, fragment)
+
+            def take(mine, new):
+                part = cut(new, cuts) if keep is None else jax.tree.map(lambda p, a: keep * p + (1 - keep) * a, cut(mine, cuts), cut(new, cuts))
+                return put(mine, part, puts)
+
+            _TAKE[fragment, keep] = jax.jit(take, out_shardings=trainer.state_shardings.params)
+        params = _TAKE[fragment, keep](state.params, params)
+    if keep is not None:
+        return state._replace(params=params)
     step = jax.device_put(np.asarray(job.round_start(round_), state.step.dtype), state.step.sharding)
     return state._replace(params=params, step=step)
 
 
-def _train_round(job: Job, trainer: Trainer, state, round_: int, batch_at, faults: dict, learner: int):
-    for step in range(job.round_start(round_), job.round_end(round_)):
+def _train_steps(trainer: Trainer, state, start: int, stop: int, batch_at, faults: dict, learner: int):
+    for step in range(start, stop):
         if faults.get("kill") == step and not os.environ.get(launch.ENV_RESUME):  # the drill's fault, once
             print(f"learner {learner}: killed at step {step} (--inject-faults)", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -282,7 +326,7 @@ def sync(job: Job, topology: Topology, progress=sys.stderr) -> dict:
                       "tokens": sum(r["tokens"] for r in reports.values()), "dropped": late, "time_s": time.time() - began}
             history["merges"].append({"round": round_ + 1, "record": record})
             merged.save(job.round_end(round_), {"params": anchor, "outer": outer_state},
-                        {"round": round_ + 1, "history": json.loads(json.dumps(history))})
+                        {"round": round_ + 1, "history": json.loads(json.dumps(history)), "job": job.identity})
             merged.wait()
             round_ += 1
             exchange.announce(round_, record)
@@ -298,10 +342,11 @@ def _syncer_start(job: Job, trainer: Trainer, outer, merged: Checkpointer, log):
     params = trainer.init(job.run.seed).params
     state = (params, outer.init(params) if outer else None)
     if merged.latest_step() is None:
-        merged.save(0, {"params": state[0], "outer": state[1]}, {"round": 0, "history": {"merges": []}})
+        merged.save(0, {"params": state[0], "outer": state[1]}, {"round": 0, "history": {"merges": []}, "job": job.identity})
         merged.wait()
         return state, 0, {"merges": []}
-    restored, meta = merged.restore_newest_verified({"params": trainer.abstract_state().params, "outer": _abstract(state[1])}, log)
+    abstract = {"params": trainer.abstract_state().params, "outer": _abstract(state[1])}
+    restored, meta = merged.restore_newest_verified(abstract, log, _same_job(job, merged.directory))
     log(f"resuming from the merge of round {meta['round']}")
     return (restored["params"], restored["outer"]), meta["round"], meta["history"]
 
@@ -323,21 +368,24 @@ def _gather(exchange: Exchange, round_: int, learners: int, quorum: int, grace: 
 
 
 def _merge(job: Job, trainer: Trainer, outer, merged: tuple, reports: dict, round_: int):
-    """(the model, the outer state) with round ``round_``'s fragment merged from the reports'
+    """(the model, the outer state) with round ``round_``'s fragments merged from the reports'
     weights (read back verified), weighted by tokens: their mean (avg), or the outer optimizer's
-    step on their mean change."""
+    step on their mean change; fragment by fragment, as ``FederatedTrainer.merge_all`` does."""
     anchor, outer_state = merged
     total = sum(r["tokens"] for r in reports.values())
     weights = [r["tokens"] / total for _, r in sorted(reports.items())]
-    cuts, puts = job.views(trainer, round_)
-    copies = [cut(_learner_params(job, trainer, learner, r["step"]), cuts) for learner, r in sorted(reports.items())]
-    part = cut(anchor, cuts)
-    if outer is None:
-        return put(anchor, jax.tree.map(lambda *c: sum(w * x for w, x in zip(weights, c)), *copies), puts), None
-    change = jax.tree.map(lambda a, *c: sum(w * (a - x) for w, x in zip(weights, c)), part, *copies)
-    cut_state, put_state = state_views(outer, outer_state, cuts, puts)
-    updates, moved = outer.update(change, cut_state, part)
-    return put(anchor, optax.apply_updates(part, updates), puts), put_state(moved)
+    copies = [_learner_params(job, trainer, learner, r["step"]) for learner, r in sorted(reports.items())]
+    for fragment in job.merged_fragments(round_):
+        cuts, puts = job.views(trainer, fragment)
+        parts, part = [cut(copy, cuts) for copy in copies], cut(anchor, cuts)
+        if outer is None:
+            anchor = put(anchor, jax.tree.map(lambda *c: sum(w * x for w, x in zip(weights, c)), *parts), puts)
+            continue
+        change = jax.tree.map(lambda a, *c: sum(w * (a - x) for w, x in zip(weights, c)), part, *parts)
+        cut_state, put_state = state_views(outer, outer_state, cuts, puts)
+        updates, moved = outer.update(change, cut_state, part)
+        anchor, outer_state = put(anchor, optax.apply_updates(part, updates), puts), put_state(moved)
+    return anchor, outer_state
 
 
 def _learner_params(job: Job, trainer: Trainer, learner: int, step: int):

@@ -48,7 +48,7 @@ def train(run: RunConfig, topology: Topology, progress=sys.stderr, checkpoint: C
     (one verified checkpoint of the groups' arrays stacked over ``federation``); ``resume="auto"``
     continues from the newest that verifies."""
     if decoupled.role():  # one process of jaxpar launch --learners: a learner (which reports nothing) or the syncer
-        job = decoupled.job_of(run, topology, checkpoint)
+        job = decoupled.job_of(run, topology, checkpoint, resume)
         return decoupled.learn(job, topology, progress) if decoupled.role() == "learner" else decoupled.sync(job, topology, progress)
     log = (lambda message: print(message, file=progress, flush=True)) if progress else (lambda message: None)
     strategy, plan, cfg, trainer = _planned(run, topology)
