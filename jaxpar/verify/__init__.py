@@ -1,0 +1,8 @@
+"""Formal bounds on a network's outputs over regions of inputs, on one device or under a layout:
+IBP, CROWN and alpha-CROWN (``bound``) for chains of dense, convolution and ReLU layers written in
+Flax NNX (``from_nnx``) or read from ONNX; properties in VNN-LIB. See ``sharded`` for the layouts."""
+
+from jaxpar.verify.network import Network, NetworkError, from_nnx
+from jaxpar.verify.sharded import METHODS, Result, bound
+
+__all__ = ["METHODS", "Network", "NetworkError", "Result", "bound", "from_nnx"]
