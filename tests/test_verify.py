@@ -140,11 +140,11 @@ def test_fsdp_gathers_each_weight_once_per_layer_per_pass_and_holds_an_eighth(ml
     results, _ = mlp_bounds
     for method, uses in (("ibp", 4), ("crown", 1 + 2 + 3 + 4)):
         r = results[method, "fsdp=8"]
-        gathers = [c for c in hlo.collectives(r.compiled.as_text(), r.mesh) if c.kind == "all-gather"]
+        gathers = [c for c in hlo.collectives(r.program.compiled.as_text(), r.program.mesh) if c.kind == "all-gather"]
         assert len(gathers) == uses and all(c.mesh_axes == ("fsdp",) for c in gathers), method
     one, fsdp = results["crown", ""], results["crown", "fsdp=8"]
     kernels = (8 * 64 + 64 * 48 + 48 * 32 + 32 * 4) * 4
-    assert one.weight_bytes - fsdp.weight_bytes == kernels - kernels // 8
+    assert one.program.weight_bytes - fsdp.program.weight_bytes == kernels - kernels // 8
 
 
 def test_tensor_all_reduces_the_bound_matrices_only_at_column_layers(mlp_bounds):
@@ -155,7 +155,7 @@ def test_tensor_all_reduces_the_bound_matrices_only_at_column_layers(mlp_bounds)
     have 64 or 32 inputs."""
     results, _ = mlp_bounds
     r = results["crown", "tensor=4"]
-    text = r.compiled.as_text()
+    text = r.program.compiled.as_text()
     reduced = set()
     for line in text.splitlines():
         if " all-reduce(" in line:
@@ -163,7 +163,7 @@ def test_tensor_all_reduces_the_bound_matrices_only_at_column_layers(mlp_bounds)
             reduced |= {tuple(map(int, dims.split(","))) for dims in re.findall(r"f32\[(\d+,\d+,\d+)\]", result_type)}
     matrices = {shape for shape in reduced if shape[0] == 4}  # (the bias parts are (2, regions, specs))
     assert matrices == {(4, 64, 8), (4, 48, 8), (4, 32, 8), (4, 4, 8), (4, 32, 48), (4, 4, 48)}
-    assert all(c.mesh_axes == ("tensor",) for c in hlo.collectives(text, r.mesh) if c.kind == "all-reduce")
+    assert all(c.mesh_axes == ("tensor",) for c in hlo.collectives(text, r.program.mesh) if c.kind == "all-reduce")
 
 
 def test_a_small_cnn_is_bounded_soundly_under_fsdp_and_tensor():

@@ -31,23 +31,6 @@ AXES = ("data", "fsdp", "tensor")
 METHODS = ("ibp", "crown", "alpha-crown")
 
 
-@dataclasses.dataclass(frozen=True)
-class Result:
-    """Bounds of ``spec @ y`` (B, S) for each region and specification, and what each device held:
-    ``weight_bytes`` (its shards of the weights), and the compiled program's ``memory`` (bytes:
-    arguments, outputs, temporaries, peak) per device; ``compiled`` is that program (its HLO:
-    ``compiled.as_text()``) and ``mesh`` its devices."""
-
-    lower: np.ndarray
-    upper: np.ndarray
-    method: str
-    strategy: str
-    weight_bytes: int
-    memory: dict
-    compiled: Any = dataclasses.field(repr=False, compare=False)
-    mesh: Mesh | None = dataclasses.field(default=None, repr=False, compare=False)
-
-
 def degrees(strategy: str, devices: int) -> dict:
     """{data, fsdp, tensor: degree} of ``strategy`` ("fsdp=8", "data=2,tensor=4"; "" is one
     device), refusing other axes and more devices than there are. (Not ``parallel.parse_strategy``:
@@ -119,7 +102,7 @@ def _specs(net: Network, placement: bounds.Placement):
         if not isinstance(layer, Affine):
             specs.append((None, None))
             continue
-        w: list = [None] * (0 if layer.w is None else layer.w.ndim)
+        w: list = [None] * (0 if layer.w is None else len(layer.w.shape))
         if role in ("column", "row") or (role == "zone" and layer.w is not None):
             w[{"column": 1, "row": 0}.get(role, 0)] = "tensor"
         if gather is not None:  # (on a dim tensor splits too, each tensor shard is split over fsdp)
@@ -129,28 +112,69 @@ def _specs(net: Network, placement: bounds.Placement):
     return specs
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A bound program compiled for a layout, before it runs: ``weight_bytes`` (each device's
+    shards of the weights) and the compiled ``memory`` per device (bytes: arguments, outputs,
+    temporaries, peak); ``compiled`` (its HLO: ``compiled.as_text()``) and ``mesh`` its devices."""
+
+    method: str
+    strategy: str
+    weight_bytes: int
+    memory: dict
+    compiled: Any = dataclasses.field(repr=False)
+    mesh: Mesh = dataclasses.field(repr=False)
+
+    def run(self, net: Network, lower, upper, spec) -> Result:
+        lo, hi = self.compiled(_weights(net), lower, upper, spec)
+        return Result(np.asarray(lo), np.asarray(hi), self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """Bounds of ``spec @ y`` (B, S) for each region and specification, and the program that
+    computed them (what each device held)."""
+
+    lower: np.ndarray
+    upper: np.ndarray
+    program: Program
+
+
+def compile_bound(net: Network, regions: int, specs: int, method: str = "crown", strategy: str = "", devices=None,
+                  alpha_steps: int = 20, alpha_lr: float = 0.1, compiler_options: dict | None = None) -> Program:
+    """``bound``'s program for ``regions`` boxes and ``specs`` rows of specification, compiled and
+    not run (the weights may be ``jax.ShapeDtypeStruct``s: what a layout needs, known before any
+    weight is made)."""
+    if method not in METHODS:
+        raise NetworkError(f"method {method!r}: choose one of {', '.join(METHODS)}")
+    devices = list(devices or jax.devices())
+    degree = degrees(strategy, len(devices))
+    placement = place(net, degree["fsdp"], degree["tensor"])
+    if regions % degree["data"]:
+        raise NetworkError(f"{regions} regions do not split over data={degree['data']}; give a multiple of it")
+    mesh = Mesh(np.array(devices[:math.prod(degree.values())]).reshape(tuple(degree.values())), AXES)
+    program = _program(net, placement, mesh, _specs(net, placement), method, alpha_steps, alpha_lr)
+    shape = lambda x: None if x is None else jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+    boxes = jax.ShapeDtypeStruct((regions, *net.in_shape), jnp.float32)
+    rows = jax.ShapeDtypeStruct((regions, specs, *net.out_shape), jnp.float32)
+    compiled = program.lower(jax.tree.map(shape, _weights(net)), boxes, boxes, rows).compile(compiler_options)
+    return Program(method, strategy, _weight_bytes(net, placement, degree), _memory(compiled), compiled, mesh)
+
+
 def bound(net: Network, lower, upper, method: str = "crown", spec=None, strategy: str = "", devices=None,
           alpha_steps: int = 20, alpha_lr: float = 0.1, compiler_options: dict | None = None) -> Result:
     """Bounds of ``spec @ net(x)`` for x in each box [lower, upper] (B, *in_shape); ``spec``
     (B, S, *out_shape) or (S, *out_shape), default every output. ``strategy``: a layout over
     ``devices`` (default all) of data, fsdp and tensor. ``compiler_options``: XLA's, for the
     program (FSDP's bounds equal one device's bitwise when both are compiled alike)."""
-    if method not in METHODS:
-        raise NetworkError(f"method {method!r}: choose one of {', '.join(METHODS)}")
     lower, upper, spec = _inputs(net, lower, upper, spec)
-    devices = list(devices or jax.devices())
-    degree = degrees(strategy, len(devices))
-    count = math.prod(degree.values())
-    placement = place(net, degree["fsdp"], degree["tensor"])
-    if lower.shape[0] % degree["data"]:
-        raise NetworkError(f"{lower.shape[0]} regions do not split over data={degree['data']}; give a multiple of it")
-    mesh = Mesh(np.array(devices[:count]).reshape(tuple(degree.values())), AXES)
-    weights = [(layer.w, layer.b) if isinstance(layer, Affine) else (None, None) for layer in net.layers]
-    program = _program(net, placement, mesh, _specs(net, placement), method, alpha_steps, alpha_lr)
-    compiled = program.lower(weights, lower, upper, spec).compile(compiler_options)
-    lo, hi = compiled(weights, lower, upper, spec)
-    return Result(np.asarray(lo), np.asarray(hi), method, strategy, _weight_bytes(net, placement, degree), _memory(compiled),
-                  compiled, mesh)
+    program = compile_bound(net, lower.shape[0], spec.shape[1], method, strategy, devices, alpha_steps, alpha_lr,
+                            compiler_options)
+    return program.run(net, lower, upper, spec)
+
+
+def _weights(net: Network) -> list:
+    return [(layer.w, layer.b) if isinstance(layer, Affine) else (None, None) for layer in net.layers]
 
 
 def _inputs(net: Network, lower, upper, spec):
@@ -204,7 +228,7 @@ def _weight_bytes(net: Network, placement, degree: dict) -> int:
         for x in (getattr(layer, "w", None), getattr(layer, "b", None)):
             if x is not None:
                 split = (degree["tensor"] if role != "full" and (x is layer.w or role != "row") else 1)
-                total += x.size * x.dtype.itemsize // split // (degree["fsdp"] if gather is not None and x is layer.w else 1)
+                total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // split // (degree["fsdp"] if gather is not None and x is layer.w else 1)
     return int(total)
 
 
