@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import contextlib
 import os
 import signal
@@ -512,6 +513,43 @@ def _convert(args) -> int:
     return EXIT_OK
 
 
+def _verify_parser(sub, chosen: str | None):  # no config class: its options are its own
+    p = sub.add_parser("verify", help="prove (or falsify) properties of a network over input regions by IBP, CROWN or "
+                                      "alpha-CROWN bounds, on one device or under fsdp/tensor/data")
+    p.add_argument("--model", required=True, metavar="FILE.onnx", help="a feed-forward network (dense, conv, ReLU) in ONNX")
+    p.add_argument("--property", required=True, action="append", metavar="FILE.vnnlib",
+                   help="a VNN-LIB property: an input box and the unsafe outputs (repeat for several)")
+    p.add_argument("--method", default="crown", help="ibp, crown or alpha-crown (default crown)")
+    p.add_argument("--strategy", default="", help="a layout of data, fsdp and tensor over simulated devices, e.g. fsdp=8 "
+                                                  "(default: one device)")
+    p.add_argument("--alpha-steps", type=int, default=20, metavar="N", help="alpha-CROWN's optimisation steps (default 20)")
+    p.add_argument("--attack-steps", type=int, default=50, metavar="N",
+                   help="steps of the search for a counterexample where the bounds cannot prove a property (default 50)")
+    p.add_argument("--json", metavar="FILE", help="also write every property's verdict, bounds, time and memory as JSON")
+    return p
+
+
+def _verify(args) -> int:
+    from jaxpar.verify import sharded
+
+    _simulate_cpu_devices(max(1, math.prod(sharded.degrees(args.strategy, 1 << 30).values())))
+    from jaxpar.run import check_writable, write_json_atomically
+    from jaxpar.verify import check, onnx_file, vnnlib
+
+    if args.json:
+        check_writable(args.json, "--json", room=1 << 16)
+    net = onnx_file.load_onnx(args.model)
+    properties = {path: vnnlib.load_vnnlib(path, math.prod(net.in_shape), math.prod(net.out_shape)) for path in args.property}
+    records = {}  # every file read and checked before the first bound
+    for path, prop in properties.items():
+        records[path] = check.check(net, prop, args.method, args.strategy, alpha_steps=args.alpha_steps,
+                                    attack_steps=args.attack_steps)
+        print("\n".join(check.summary(path, records[path])), flush=True)
+    if args.json:
+        write_json_atomically(args.json, {"model": args.model, "properties": records})
+    return EXIT_OK if all(r["verdict"] == "verified" for r in records.values()) else EXIT_FAILED
+
+
 def _train(args) -> int:
     from jaxpar import launch
     from jaxpar.topology import load_topology
@@ -760,13 +798,13 @@ def _parser(chosen: str | None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command")
     for add in (_train_parser, _bench_parser, _compile_parser, _plan_parser, _launch_parser, _checkpoints_parser, _check_parser,
-                _generate_parser, _affinity_parser, _convert_parser):
+                _generate_parser, _affinity_parser, _convert_parser, _verify_parser):
         add(sub, chosen)
     return parser
 
 
 COMMANDS = {"train": _train, "bench": _bench, "compile": _compile, "plan": _plan, "launch": _launch, "checkpoints": _checkpoints,
-            "check": _check, "generate": _generate, "affinity": _affinity, "convert": _convert}
+            "check": _check, "generate": _generate, "affinity": _affinity, "convert": _convert, "verify": _verify}
 
 
 def main(argv=None) -> int:

@@ -5,12 +5,16 @@ dense weights permuted to the NCHW flattening), loads into a network whose outpu
 module's (1e-5) with the layers in order; graphs the bounds cannot follow are refused by name.
 VNN-LIB properties written here parse to their input box and unsafe disjuncts, the verdict reads
 hand-made bounds, and each malformed property is refused with its culprit named."""
+import json
+
 import numpy as np
 import onnx
 import pytest
 from flax import nnx
 from onnx import TensorProto, helper, numpy_helper
 
+from jaxpar import cli
+from jaxpar.verify import bound, from_nnx
 from jaxpar.verify.network import Affine, NetworkError, ReLU, Reshape
 from jaxpar.verify.onnx_file import load_onnx
 from jaxpar.verify.vnnlib import PropertyError, load_vnnlib, parse_vnnlib
@@ -59,8 +63,9 @@ def layer_kinds(network):
     return [(layer.name, layer.kind if isinstance(layer, Affine) else type(layer).__name__) for layer in network.layers]
 
 
-def test_mlp_onnx_equals_the_flax_module(tmp_path):
-    module = Classifier(nnx.Rngs(0))
+def write_classifier(path, module):
+    """``module`` as an exporter writes it: a Constant, Sub and Div normalisation, Gemm with PyTorch's
+    (out, in) weights, an unnamed Relu, MatMul then Add, Identity."""
     hidden, out = module.hidden, module.out
     nodes = [helper.make_node("Constant", [], ["mean"], name="mean", value=numpy_helper.from_array(MEAN)),
              helper.make_node("Sub", ["x", "mean"], ["centred"], name="normalise/sub"),
@@ -70,8 +75,13 @@ def test_mlp_onnx_equals_the_flax_module(tmp_path):
              helper.make_node("MatMul", ["r", "w2"], ["scores"], name="out/matmul"),
              helper.make_node("Add", ["scores", "b2"], ["biased"], name="out/add"),
              helper.make_node("Identity", ["biased"], ["y"], name="output")]
-    path = save_model(tmp_path / "mlp.onnx", nodes, {"std": STD, "w1": np.asarray(hidden.kernel[...]).T, "b1": hidden.bias[...],
-                                                     "w2": out.kernel[...], "b2": out.bias[...]})
+    return save_model(path, nodes, {"std": STD, "w1": np.asarray(hidden.kernel[...]).T, "b1": hidden.bias[...],
+                                    "w2": out.kernel[...], "b2": out.bias[...]})
+
+
+def test_mlp_onnx_equals_the_flax_module(tmp_path):
+    module = Classifier(nnx.Rngs(0))
+    path = write_classifier(tmp_path / "mlp.onnx", module)
     network = load_onnx(path)
     x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32) * 3
     np.testing.assert_allclose(network(x), module(x), atol=1e-5, rtol=0)
@@ -203,3 +213,40 @@ def test_vnnlib_refused_with_the_culprit(case):
         parse_vnnlib(text, n_inputs=2, n_outputs=3)
     for word in words:
         assert word in str(refusal.value)
+
+
+def test_jaxpar_verify_gives_each_property_its_verdict_with_the_flax_networks_bounds(tmp_path, capsys):
+    """The ONNX file's bounds are the Flax module's (1e-5). Three properties on score 0 over one
+    box: unsafe above 1,000 (verified), above a value an input reaches (falsified: the counterexample
+    is checked on the module), and above a value between alpha-CROWN's and CROWN's upper bounds
+    (unknown to CROWN: unreachable, as alpha-CROWN proves, but CROWN's bound misses it)."""
+    module = Classifier(nnx.Rngs(0))
+    path = write_classifier(tmp_path / "mlp.onnx", module)
+    centre = np.float32([0.5, -1.0, 2.0, 1.0])
+    lower, upper = (centre - 1)[None], (centre + 1)[None]
+    bounds = {}
+    for method in ("crown", "alpha-crown"):
+        onnx_bounds, flax_bounds = (bound(net, lower, upper, method) for net in (load_onnx(path), from_nnx(module, (4,))))
+        np.testing.assert_allclose(onnx_bounds.upper, flax_bounds.upper, atol=1e-5)
+        np.testing.assert_allclose(onnx_bounds.lower, flax_bounds.lower, atol=1e-5)
+        bounds[method] = float(onnx_bounds.upper[0, 0])
+    assert bounds["alpha-crown"] < bounds["crown"] - 1e-3
+    box = "".join(f"(declare-const X_{i} Real)\n(assert (>= X_{i} {lo}))\n(assert (<= X_{i} {hi}))\n"
+                  for i, (lo, hi) in enumerate(zip(lower[0], upper[0])))
+    outputs = "".join(f"(declare-const Y_{j} Real)\n" for j in range(3))
+    reached = float(module(centre[None])[0, 0])
+    thresholds = {"verified": 1000.0, "falsified": reached, "unknown": (bounds["alpha-crown"] + bounds["crown"]) / 2}
+    files = []
+    for name, threshold in thresholds.items():
+        files.append(tmp_path / f"{name}.vnnlib")
+        files[-1].write_text(box + outputs + f"(assert (>= Y_0 {threshold!r}))\n")
+    argv = ["verify", "--model", str(path), "--strategy", "fsdp=8", "--json", str(tmp_path / "v.json")]
+    assert cli.main(argv + [arg for f in files for arg in ("--property", str(f))]) == cli.EXIT_FAILED  # not all verified
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "v.json").read_text())["properties"]
+    assert [report[str(f)]["verdict"] for f in files] == ["verified", "falsified", "unknown"], out
+    for name in thresholds:
+        assert f"{name}.vnnlib: {name}" in out
+    found = np.float32(report[str(files[1])]["counterexample"]["input"])
+    assert (lower[0] <= found).all() and (found <= upper[0]).all() and float(module(found[None])[0, 0]) >= reached - 1e-6
+    assert report[str(files[0])]["one_device"]["weight_bytes"] > report[str(files[0])]["weight_bytes_per_device"]

@@ -172,13 +172,14 @@ class _Tracer:
         read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
         for eqn in jaxpr.eqns:
             args = [read(v) for v in eqn.invars]
-            if eqn.primitive.name in _CALLS and _ACT in args:
+            active = any(a is _ACT for a in args)  # (identity: `in` would compare arrays)
+            if eqn.primitive.name in _CALLS and active:
                 inner = eqn.params[_CALLS[eqn.primitive.name]]
                 inner = getattr(inner, "jaxpr", inner)
                 sub = dict(zip(inner.constvars, getattr(eqn.params[_CALLS[eqn.primitive.name]], "consts", [])))
                 sub.update(zip(inner.invars, args))
                 outs = [self.walk(inner, sub)]
-            elif _ACT not in args:
+            elif not active:
                 outs = eqn.primitive.bind(*args, **eqn.params)
                 outs = outs if eqn.primitive.multiple_results else [outs]
             else:
@@ -209,9 +210,9 @@ class _Tracer:
             if prim == "sub" and args[1] is _ACT:  # c - x: a scale by -1, then c
                 chain.emit(Affine(f"negate[{len(chain.layers)}]", "scale", -jnp.ones(out_shape), None, shape, out_shape))
             chain.add_bias(-b if prim == "sub" and args[0] is _ACT else b)
-        elif prim == "mul" and const is not None:
+        elif (prim == "mul" and const is not None) or (prim == "div" and args[0] is _ACT):
             w = jnp.broadcast_to(jnp.asarray(const, jnp.float32), (1, *out_shape))[0]
-            chain.emit(Affine(self.name(const), "scale", w, None, shape, out_shape))
+            chain.emit(Affine(self.name(const), "scale", 1 / w if prim == "div" else w, None, shape, out_shape))
         elif prim == "max" and const is not None and np.all(np.asarray(const) == 0):
             chain.emit(ReLU(f"relu[{len(chain.layers)}]", shape))
         elif prim == "reshape":
