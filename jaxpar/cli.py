@@ -522,6 +522,9 @@ def _verify_parser(sub, chosen: str | None):  # no config class: its options are
     p.add_argument("--method", default="crown", help="ibp, crown or alpha-crown (default crown)")
     p.add_argument("--strategy", default="", help="a layout of data, fsdp and tensor over simulated devices, e.g. fsdp=8 "
                                                   "(default: one device)")
+    p.add_argument("--share-specs", action="store_true",
+                   help="under fsdp, each device bounds its share of the specifications: the bound matrices' memory and "
+                        "work divided by the fsdp degree (bounds equal one device's to float32 rounding, not bitwise)")
     p.add_argument("--alpha-steps", type=int, default=20, metavar="N", help="alpha-CROWN's optimisation steps (default 20)")
     p.add_argument("--attack-steps", type=int, default=50, metavar="N",
                    help="steps of the search for a counterexample where the bounds cannot prove a property (default 50)")
@@ -543,7 +546,7 @@ def _verify(args) -> int:
     records = {}  # every file read and checked before the first bound
     for path, prop in properties.items():
         records[path] = check.check(net, prop, args.method, args.strategy, alpha_steps=args.alpha_steps,
-                                    attack_steps=args.attack_steps)
+                                    attack_steps=args.attack_steps, share_specs=args.share_specs)
         print("\n".join(check.summary(path, records[path])), flush=True)
     if args.json:
         write_json_atomically(args.json, {"model": args.model, "properties": records})

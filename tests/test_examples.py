@@ -38,6 +38,7 @@ EXAMPLES = [
     pytest.param("own_moe.py", ["--steps", "2", "--batch-size", "8"], "largest relative difference from one device",
                  id="own_moe"),
     pytest.param("cross_mesh_reshard.py", [], "moved: values equal", id="cross_mesh_reshard"),
+    pytest.param("verify_wide.py", [], "fsdp=8 and tensor=4 bound the network one device cannot hold", id="verify_wide"),
     pytest.param("mpmd_pipeline.py", ["--steps", "2", "--microbatches", "2", "--rows", "4", "--seq-len", "16"],
                  "the loss fell from", id="mpmd_pipeline"),
     pytest.param("pipedream.py", ["--microbatches", "4", "--seq-len", "8"], "largest difference from the simulation",

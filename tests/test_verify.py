@@ -134,6 +134,20 @@ def test_alpha_crown_is_never_looser_than_crown_and_crown_than_ibp_here(mlp_boun
         assert (alpha.upper - alpha.lower).sum() < (crown.upper - crown.lower).sum() < (ibp.upper - ibp.lower).sum()
 
 
+def test_sharing_the_specifications_divides_the_bound_matrices_and_stays_sound(mlp_bounds):
+    """share_specs: each fsdp device bounds 1/8 of every layer's neurons and of the output rows."""
+    results, outputs = mlp_bounds
+    net = from_nnx(MLP((8, 64, 48, 32, 4), nnx.Rngs(0)), (8,))
+    lower, upper = regions((8,), 4, 0.05, 1)
+    for method in ("crown", "alpha-crown"):
+        shared = bound(net, lower, upper, method, strategy="fsdp=8", share_specs=True, alpha_steps=10,
+                       compiler_options=DEFAULT_XLA)
+        one, whole = results[method, ""], results[method, "fsdp=8"]
+        assert (outputs >= shared.lower[:, None] - 1e-5).all() and (outputs <= shared.upper[:, None] + 1e-5).all()
+        np.testing.assert_allclose(shared.lower, one.lower, atol=1e-6 if method == "crown" else 1e-4)
+        assert shared.program.memory["temp_size"] < 0.6 * whole.program.memory["temp_size"], method
+
+
 def test_fsdp_gathers_each_weight_once_per_layer_per_pass_and_holds_an_eighth(mlp_bounds):
     """CROWN's passes on 4 dense layers with 3 ReLUs: one back from each pre-activation (1, 2 and 3
     layers) and one from the output (4): 10 uses of a weight, each its own all-gather."""

@@ -240,7 +240,7 @@ def test_jaxpar_verify_gives_each_property_its_verdict_with_the_flax_networks_bo
     for name, threshold in thresholds.items():
         files.append(tmp_path / f"{name}.vnnlib")
         files[-1].write_text(box + outputs + f"(assert (>= Y_0 {threshold!r}))\n")
-    argv = ["verify", "--model", str(path), "--strategy", "fsdp=8", "--json", str(tmp_path / "v.json")]
+    argv = ["verify", "--model", str(path), "--strategy", "fsdp=8", "--share-specs", "--json", str(tmp_path / "v.json")]
     assert cli.main(argv + [arg for f in files for arg in ("--property", str(f))]) == cli.EXIT_FAILED  # not all verified
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "v.json").read_text())["properties"]

@@ -35,6 +35,21 @@ class Placement:
     roles: tuple
     gather: tuple
     tensor: int = 1  # the tensor degree (a split zone's activations are 1/tensor of a layer's)
+    rows: int = 1  # the fsdp degree: each device takes 1/rows of the specifications (A's rows) where they split
+
+    def own_rows(self, count: int) -> tuple[int, int]:
+        """(first, how many) of ``count`` specifications this device bounds: its share under fsdp
+        when they split evenly, else all of them (a row's bound needs no other row)."""
+        if self.rows == 1 or count % self.rows:
+            return 0, count
+        share = count // self.rows
+        return jax.lax.axis_index("fsdp") * share, share
+
+    def all_rows(self, bounds: tuple, count: int) -> tuple:
+        """Every device's bounds of its own rows, put together on each (``own_rows``)."""
+        if self.rows == 1 or count % self.rows:
+            return bounds
+        return tuple(jax.lax.all_gather(x, "fsdp", axis=1, tiled=True, to="invarying") for x in bounds)
 
     def weight(self, i: int, w, tie):
         """Layer i's weight for use now: an FSDP shard gathered whole. Each use is its own gather,
@@ -139,24 +154,23 @@ def _relu_back(a, chord, intercept, slope, upper_bound: bool):
 
 def crown_relaxations(net: Network, place: Placement, weights, lower, upper) -> dict:
     """Each ReLU's relaxation from CROWN's bounds on its pre-activation (every neuron a
-    specification, through the relaxations of the ReLUs before it). Under tensor, a ReLU in a
-    split zone gets its own share of the neurons' relaxations (the bounds of all of them are on
-    every device: the rows of A are not split)."""
+    specification, through the relaxations of the ReLUs before it). Each device bounds its own
+    rows (``Placement.own_rows``); under tensor, a ReLU in a split zone gets its own share of the
+    neurons' relaxations, and the identity A starts as its own columns."""
     relax = {}
     for k, layer in enumerate(net.layers):
         if not isinstance(layer, ReLU):
             continue
         shape, split = layer.shape, place.roles[k] == "zone"
         count = math.prod(shape)  # every neuron of the layer, split or not
-        eye = jnp.eye(count, dtype=lower.dtype)
-        if split:  # this device's columns of the identity
-            share = count // place.tensor
-            eye = jax.lax.dynamic_slice_in_dim(eye, jax.lax.axis_index("tensor") * share, share, axis=1)
-            shape = (share,)
-        a = jnp.broadcast_to(eye.reshape((count, *shape)), (lower.shape[0], count, *shape))
-        lo, hi = backward(net, place, weights, k - 1, a, relax, lower, upper)
+        first, rows = place.own_rows(count)
+        column, columns = (jax.lax.axis_index("tensor") * (count // place.tensor), count // place.tensor) if split else (0, count)
+        eye = ((first + jnp.arange(rows))[:, None] == (column + jnp.arange(columns))[None, :]).astype(lower.dtype)
+        shape = (columns,) if split else shape
+        a = jnp.broadcast_to(eye.reshape((rows, *shape)), (lower.shape[0], rows, *shape))
+        lo, hi = place.all_rows(backward(net, place, weights, k - 1, a, relax, lower, upper), count)
         if split:
-            lo, hi = (jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("tensor") * share, share, axis=1) for x in (lo, hi))
+            lo, hi = (jax.lax.dynamic_slice_in_dim(x, column, columns, axis=1) for x in (lo, hi))
         lo, hi = lo.reshape((-1, *shape)), hi.reshape((-1, *shape))
         chord, intercept, below = relaxation(lo, hi)
         relax[k] = (chord, intercept, below[:, None], below[:, None])
@@ -166,7 +180,9 @@ def crown_relaxations(net: Network, place: Placement, weights, lower, upper) -> 
 def crown(net: Network, place: Placement, weights, lower, upper, spec):
     """CROWN's (lower, upper) of ``spec @ y`` (spec (B, S, *out_shape))."""
     relax = crown_relaxations(net, place, weights, lower, upper)
-    return backward(net, place, weights, len(net.layers) - 1, spec, relax, lower, upper)
+    first, rows = place.own_rows(spec.shape[1])
+    own = jax.lax.dynamic_slice_in_dim(spec, first, rows, axis=1)
+    return place.all_rows(backward(net, place, weights, len(net.layers) - 1, own, relax, lower, upper), spec.shape[1])
 
 
 def alpha_crown(net: Network, place: Placement, weights, lower, upper, spec, steps: int, learning_rate: float):
@@ -175,7 +191,9 @@ def alpha_crown(net: Network, place: Placement, weights, lower, upper, spec, ste
     CROWN's (projected to [0, 1]), keeping each bound's best; so never looser than CROWN. The
     intermediate layers' bounds are CROWN's."""
     relax = crown_relaxations(net, place, weights, lower, upper)
-    specs = spec.shape[1]
+    count = spec.shape[1]
+    first, specs = place.own_rows(count)
+    spec = jax.lax.dynamic_slice_in_dim(spec, first, specs, axis=1)
     alphas = {k: tuple(jnp.broadcast_to(s, (s.shape[0], specs, *s.shape[2:])) for s in (low, up))
               for k, (_, _, low, up) in relax.items()}
 
@@ -199,4 +217,4 @@ def alpha_crown(net: Network, place: Placement, weights, lower, upper, spec, ste
     lo, up = bounds_of(alphas)
     (alphas, _, lo, up), _ = jax.lax.scan(step, (alphas, optimizer.init(alphas), lo, up), None, length=steps)
     last_lo, last_up = bounds_of(alphas)
-    return jnp.maximum(lo, last_lo), jnp.minimum(up, last_up)
+    return place.all_rows((jnp.maximum(lo, last_lo), jnp.minimum(up, last_up)), count)

@@ -46,13 +46,13 @@ def attack(net: Network, prop: Property, steps: int = 50, restarts: int = 8, see
 
 
 def check(net: Network, prop: Property, method: str, strategy: str = "", devices=None, alpha_steps: int = 20,
-          attack_steps: int = 50) -> dict:
+          attack_steps: int = 50, share_specs: bool = False) -> dict:
     """One property's verdict (module doc) with its bounds, time and what each device held."""
     began = time.perf_counter()
     c_all, d_all, groups = prop.spec()
     lower, upper = (np.asarray(x, np.float32).reshape((1, *net.in_shape)) for x in (prop.lower, prop.upper))
     spec = np.asarray(c_all, np.float32).reshape((len(d_all), *net.out_shape))
-    result = bound(net, lower, upper, method, spec, strategy, devices, alpha_steps)
+    result = bound(net, lower, upper, method, spec, strategy, devices, alpha_steps, share_specs=share_specs)
     margins = result.lower[0] - d_all  # lower bounds of C y - d
     record = {"method": method, "strategy": strategy or "one device", "lower_bounds": margins.tolist(),
               "upper_bounds": (result.upper[0] - d_all).tolist(),

@@ -3,7 +3,9 @@
 
 - ``fsdp=N``: each dense or convolution weight is split over N devices along a dim N divides
   (the largest) and gathered whole at each use, one layer at a time; everything else is as on one
-  device, so the bounds equal one device's bitwise.
+  device, so the bounds equal one device's bitwise. The bound matrices are then whole on every
+  device: where they, not the weights, fill the memory (CROWN's intermediate bounds start from an
+  identity as wide as each layer), ``share_specs`` gives each device 1/N of their rows too.
 - ``tensor=T``: dense layers go in Megatron pairs, the first split by its outputs (column), the
   second by its inputs (row), with the ReLUs (and scale and bias layers) between them split by
   neuron; the bound matrices' columns follow the activations, and are all-reduced once at each
@@ -46,14 +48,14 @@ def degrees(strategy: str, devices: int) -> dict:
     return degree
 
 
-def place(net: Network, fsdp: int, tensor: int) -> bounds.Placement:
+def place(net: Network, fsdp: int, tensor: int, share_specs: bool = False) -> bounds.Placement:
     """The placement of ``net``'s layers (module doc), refusing a degree that does not divide a
-    layer, by name."""
+    layer, by name; with ``share_specs`` each fsdp device bounds its share of the specifications."""
     roles = ["full"] * len(net.layers)
     if tensor > 1:
         _pair(net, roles, tensor)
     gather = tuple(_fsdp_dim(layer, role, fsdp, tensor) for layer, role in zip(net.layers, roles))
-    return bounds.Placement(tuple(roles), gather, tensor)
+    return bounds.Placement(tuple(roles), gather, tensor, fsdp if share_specs else 1)
 
 
 def _pair(net: Network, roles: list, tensor: int):
@@ -141,7 +143,8 @@ class Result:
 
 
 def compile_bound(net: Network, regions: int, specs: int, method: str = "crown", strategy: str = "", devices=None,
-                  alpha_steps: int = 20, alpha_lr: float = 0.1, compiler_options: dict | None = None) -> Program:
+                  alpha_steps: int = 20, alpha_lr: float = 0.1, compiler_options: dict | None = None,
+                  share_specs: bool = False) -> Program:
     """``bound``'s program for ``regions`` boxes and ``specs`` rows of specification, compiled and
     not run (the weights may be ``jax.ShapeDtypeStruct``s: what a layout needs, known before any
     weight is made)."""
@@ -149,7 +152,7 @@ def compile_bound(net: Network, regions: int, specs: int, method: str = "crown",
         raise NetworkError(f"method {method!r}: choose one of {', '.join(METHODS)}")
     devices = list(devices or jax.devices())
     degree = degrees(strategy, len(devices))
-    placement = place(net, degree["fsdp"], degree["tensor"])
+    placement = place(net, degree["fsdp"], degree["tensor"], share_specs)
     if regions % degree["data"]:
         raise NetworkError(f"{regions} regions do not split over data={degree['data']}; give a multiple of it")
     mesh = Mesh(np.array(devices[:math.prod(degree.values())]).reshape(tuple(degree.values())), AXES)
@@ -162,14 +165,19 @@ def compile_bound(net: Network, regions: int, specs: int, method: str = "crown",
 
 
 def bound(net: Network, lower, upper, method: str = "crown", spec=None, strategy: str = "", devices=None,
-          alpha_steps: int = 20, alpha_lr: float = 0.1, compiler_options: dict | None = None) -> Result:
+          alpha_steps: int = 20, alpha_lr: float = 0.1, compiler_options: dict | None = None,
+          share_specs: bool = False) -> Result:
     """Bounds of ``spec @ net(x)`` for x in each box [lower, upper] (B, *in_shape); ``spec``
     (B, S, *out_shape) or (S, *out_shape), default every output. ``strategy``: a layout over
     ``devices`` (default all) of data, fsdp and tensor. ``compiler_options``: XLA's, for the
-    program (FSDP's bounds equal one device's bitwise when both are compiled alike)."""
+    program (FSDP's bounds equal one device's bitwise when both are compiled alike).
+    ``share_specs``: each fsdp device bounds 1/fsdp of the specifications (every layer's neurons
+    for the intermediate bounds, and ``spec``'s rows) where they split evenly, and the bounds are
+    all-gathered: the bound matrices' memory and work divided by fsdp, the bounds equal to one
+    device's to float32 rounding (a matrix product of fewer rows rounds apart), no longer bitwise."""
     lower, upper, spec = _inputs(net, lower, upper, spec)
     program = compile_bound(net, lower.shape[0], spec.shape[1], method, strategy, devices, alpha_steps, alpha_lr,
-                            compiler_options)
+                            compiler_options, share_specs)
     return program.run(net, lower, upper, spec)
 
 
