@@ -3,6 +3,6 @@ IBP, CROWN and alpha-CROWN (``bound``) for chains of dense, convolution and ReLU
 Flax NNX (``from_nnx``) or read from ONNX; properties in VNN-LIB. See ``sharded`` for the layouts."""
 
 from jaxpar.verify.network import Network, NetworkError, from_nnx
-from jaxpar.verify.sharded import METHODS, Program, Result, bound, compile_bound
+from jaxpar.verify.sharded import METHODS, Program, Result, bound, compile_bound, linf_ball
 
-__all__ = ["METHODS", "Network", "NetworkError", "Program", "Result", "bound", "compile_bound", "from_nnx"]
+__all__ = ["METHODS", "Network", "NetworkError", "Program", "Result", "bound", "compile_bound", "from_nnx", "linf_ball"]

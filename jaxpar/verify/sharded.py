@@ -185,6 +185,15 @@ def _weights(net: Network) -> list:
     return [(layer.w, layer.b) if isinstance(layer, Affine) else (None, None) for layer in net.layers]
 
 
+def linf_ball(centre, radius):
+    """(lower, upper) of the L-infinity balls of ``radius`` around each input of ``centre``
+    ((regions, *in_shape)): the region ``bound`` takes."""
+    if not np.all(np.asarray(radius) >= 0):
+        raise NetworkError(f"an L-infinity ball of radius {radius}: give a radius of 0 or more")
+    centre = np.asarray(centre, np.float32)
+    return centre - radius, centre + radius
+
+
 def _inputs(net: Network, lower, upper, spec):
     lower, upper = jnp.asarray(lower, jnp.float32), jnp.asarray(upper, jnp.float32)
     if lower.shape != upper.shape or lower.shape[1:] != net.in_shape:
