@@ -52,16 +52,18 @@ class Placement:
         return tuple(jax.lax.all_gather(x, "fsdp", axis=1, tiled=True, to="invarying") for x in bounds)
 
     def weight(self, i: int, w, tie):
-        """Layer i's weight for use now: an FSDP shard gathered whole. Each use is its own gather,
-        made to depend on ``tie`` (the data the weight is about to meet), so that XLA neither
-        merges the gathers of one weight nor keeps a gathered weight alive from one pass to the
-        next. (The dependency is the shard minus +0.0 times a value of ``tie``, exactly the shard for
-        finite data; an optimization barrier would do it too, but would type the data as varying
-        over fsdp.)"""
-        if w is None or self.gather[i] is None:
+        """Layer i's weight for use now (an FSDP shard gathered whole), made to depend on ``tie``
+        (the data it is about to meet: minus +0.0 times one of its values, exactly the weight for
+        finite data). So each use is its own gather, which XLA neither merges with another pass's
+        nor keeps alive from one pass to the next, and nothing computed from the weights alone
+        (``|w|``, a transpose) is made at the start and held; one device runs the same program.
+        (An optimization barrier would do it too, but would type the data as varying over fsdp.)"""
+        if w is None:
             return w
-        zero = jnp.abs(jax.lax.stop_gradient(jax.tree.leaves(tie)[0].ravel()[0])) * 0.0
-        return jax.lax.all_gather(w - zero, "fsdp", axis=self.gather[i], tiled=True, to="invarying")
+        w = w - jnp.abs(jax.lax.stop_gradient(jax.tree.leaves(tie)[0].ravel()[0])) * 0.0
+        if self.gather[i] is None:
+            return w
+        return jax.lax.all_gather(w, "fsdp", axis=self.gather[i], tiled=True, to="invarying")
 
     def forward(self, i: int, layer: Affine, w, b, c, r):
         """The interval (centre, radius) after affine layer i: exact, ``|w|`` maps the radius."""
@@ -84,9 +86,12 @@ class Placement:
 
 
 def contract(a, x, ndim: int):
-    """sum over the example dims of ``a`` (B, S, *shape) times ``x`` (shape, or (B, *shape))."""
-    x = x if x.ndim == ndim else x[:, None]
-    return jnp.sum(a * x, axis=tuple(range(a.ndim - ndim, a.ndim)))
+    """sum over the example dims of ``a`` (B, S, *shape) times ``x`` (shape, or (B, *shape)): a
+    matrix-vector product (a sum of ``a * x`` would have XLA:CPU build ``x`` out to ``a``'s shape)."""
+    rows = a.reshape((*a.shape[:2], -1))
+    if x.ndim == ndim:
+        return rows @ x.reshape(-1)
+    return jnp.einsum("bsn,bn->bs", rows, x.reshape((x.shape[0], -1)))
 
 
 def ibp(net: Network, place: Placement, weights, lower, upper):
@@ -157,7 +162,7 @@ def crown_relaxations(net: Network, place: Placement, weights, lower, upper) -> 
     specification, through the relaxations of the ReLUs before it). Each device bounds its own
     rows (``Placement.own_rows``); under tensor, a ReLU in a split zone gets its own share of the
     neurons' relaxations, and the identity A starts as its own columns."""
-    relax = {}
+    relax, done = {}, lower  # (done: the last bounds computed, which the next pass's start waits for)
     for k, layer in enumerate(net.layers):
         if not isinstance(layer, ReLU):
             continue
@@ -166,9 +171,13 @@ def crown_relaxations(net: Network, place: Placement, weights, lower, upper) -> 
         first, rows = place.own_rows(count)
         column, columns = (jax.lax.axis_index("tensor") * (count // place.tensor), count // place.tensor) if split else (0, count)
         eye = ((first + jnp.arange(rows))[:, None] == (column + jnp.arange(columns))[None, :]).astype(lower.dtype)
+        # tied to the bounds before it (minus +0.0 times one of them): else the identity is a constant,
+        # and XLA computes every pass's first step at the start and holds them all until their pass
+        eye = eye - jnp.abs(jax.lax.stop_gradient(done.ravel()[0])) * 0.0
         shape = (columns,) if split else shape
         a = jnp.broadcast_to(eye.reshape((rows, *shape)), (lower.shape[0], rows, *shape))
         lo, hi = place.all_rows(backward(net, place, weights, k - 1, a, relax, lower, upper), count)
+        done = lo  # (every neuron's, the same on every device)
         if split:
             lo, hi = (jax.lax.dynamic_slice_in_dim(x, column, columns, axis=1) for x in (lo, hi))
         lo, hi = lo.reshape((-1, *shape)), hi.reshape((-1, *shape))
