@@ -27,6 +27,8 @@ NOT_RUN = {
     "python -m pytest": "this suite",
     "srun ": "a SLURM job on 8 GPU nodes",
     "gcloud ": "a Cloud TPU slice of 32 hosts",
+    "jaxpar verify --model net.onnx ": "reads a user's network and properties; tests/test_verify_files.py runs jaxpar "
+                                       "verify as printed on an ONNX file and properties it writes",
 }
 # commands that run and end with another status than 0 on this machine: (status, a line of the output)
 REFUSED_HERE = {

@@ -57,21 +57,13 @@ def samples(lower, upper, seed):
     return lower[:, None] + (upper - lower)[:, None] * t[None]
 
 
-# XLA:CPU's default emitters and optimisation level, not the suite's quick-compile flags (conftest.py),
-# under which alpha-CROWN's program with gathers and the one without fuse differently (1e-7 apart);
-# every method alike, so that alpha-CROWN's first step is CROWN's bound to the bit
-DEFAULT_XLA = {"xla_cpu_use_fusion_emitters": True, "xla_backend_optimization_level": 2}
-
-
 @pytest.fixture(scope="module")
 def mlp_bounds():
     """{(method, layout): Result} on an MLP 8-64-48-32-4 over 4 boxes, and its sampled outputs."""
     model = MLP((8, 64, 48, 32, 4), nnx.Rngs(0))
     lower, upper = regions((8,), 4, 0.05, 1)
     net = from_nnx(model, (8,))
-    results = {(m, s): bound(net, lower, upper, m, strategy=s, alpha_steps=10,
-                             compiler_options=DEFAULT_XLA)
-               for m in METHODS for s in LAYOUTS}
+    results = {(m, s): bound(net, lower, upper, m, strategy=s, alpha_steps=10) for m in METHODS for s in LAYOUTS}
     outputs = jax.vmap(model)(samples(lower, upper, 2))
     return results, outputs
 
@@ -142,8 +134,7 @@ def test_sharing_the_specifications_divides_the_bound_matrices_and_stays_sound(m
     net = from_nnx(MLP((8, 64, 48, 32, 4), nnx.Rngs(0)), (8,))
     lower, upper = regions((8,), 4, 0.05, 1)
     for method in ("crown", "alpha-crown"):
-        shared = bound(net, lower, upper, method, strategy="fsdp=8", share_specs=True, alpha_steps=10,
-                       compiler_options=DEFAULT_XLA)
+        shared = bound(net, lower, upper, method, strategy="fsdp=8", share_specs=True, alpha_steps=10)
         one, whole = results[method, ""], results[method, "fsdp=8"]
         assert (outputs >= shared.lower[:, None] - 1e-5).all() and (outputs <= shared.upper[:, None] + 1e-5).all()
         np.testing.assert_allclose(shared.lower, one.lower, atol=1e-6 if method == "crown" else 1e-4)

@@ -250,3 +250,11 @@ def test_jaxpar_verify_gives_each_property_its_verdict_with_the_flax_networks_bo
     found = np.float32(report[str(files[1])]["counterexample"]["input"])
     assert (lower[0] <= found).all() and (found <= upper[0]).all() and float(module(found[None])[0, 0]) >= reached - 1e-6
     assert report[str(files[0])]["one_device"]["weight_bytes"] > report[str(files[0])]["weight_bytes_per_device"]
+
+
+def test_jaxpar_verify_refuses_a_missing_file_in_words(tmp_path, capsys):
+    path = write_classifier(tmp_path / "mlp.onnx", Classifier(nnx.Rngs(0)))
+    for model, prop, named in ((tmp_path / "none.onnx", tmp_path / "p.vnnlib", "none.onnx: no such file; give the path of an ONNX file"),
+                               (path, tmp_path / "none.vnnlib", "none.vnnlib: no such file; give the path of a VNN-LIB property")):
+        assert cli.main(["verify", "--model", str(model), "--property", str(prop)]) == cli.EXIT_BAD_INPUT
+        assert named in capsys.readouterr().err

@@ -42,6 +42,8 @@ def load_onnx(path) -> Network:
     dynamic or not). Layers are named after the ONNX nodes (their op type and index when unnamed)."""
     import onnx  # (the verify extra; nothing else in jaxpar needs it)
 
+    if not pathlib.Path(path).is_file():
+        raise NetworkError(f"{path}: no such file; give the path of an ONNX file")
     graph = onnx.load(str(pathlib.Path(path))).graph
     consts = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
     input_name, in_shape = _graph_input(graph, consts)

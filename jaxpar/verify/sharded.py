@@ -66,14 +66,15 @@ def _pair(net: Network, roles: list, tensor: int):
     for i, layer in enumerate(net.layers):
         dense = isinstance(layer, Affine) and layer.kind == "dense"
         if open_column is not None and dense:
+            column = net.layers[open_column]
+            if column.out_shape[0] % tensor:  # (a dense layer left without a partner stays whole, unchecked)
+                raise NetworkError(f"layer {column.describe()}: tensor={tensor} does not divide its {column.out_shape[0]} "
+                                   f"outputs; choose a tensor degree that divides the width of every dense layer it splits")
             roles[open_column], roles[i] = "column", "row"
             for k in range(open_column + 1, i):
                 roles[k] = "zone"
             open_column = None
         elif dense:
-            if layer.out_shape[0] % tensor:
-                raise NetworkError(f"layer {layer.describe()}: tensor={tensor} does not divide its {layer.out_shape[0]} "
-                                   f"outputs; choose a tensor degree that divides every dense layer's width")
             open_column = i
         elif not (isinstance(layer, ReLU) or (isinstance(layer, Affine) and layer.kind in ("scale", "bias"))):
             open_column = None  # a convolution or a reshape ends a pair before it forms

@@ -55,6 +55,8 @@ class Property:
 
 def load_vnnlib(path, n_inputs: int, n_outputs: int) -> Property:
     """The property in the VNN-LIB file at ``path`` for a network of ``n_inputs`` inputs and ``n_outputs`` outputs."""
+    if not pathlib.Path(path).is_file():
+        raise PropertyError(f"{path}: no such file; give the path of a VNN-LIB property")
     return parse_vnnlib(pathlib.Path(path).read_text(), n_inputs, n_outputs)
 
 
