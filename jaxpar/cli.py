@@ -536,10 +536,11 @@ def _verify(args) -> int:
     from jaxpar.verify import sharded
 
     _simulate_cpu_devices(max(1, math.prod(sharded.degrees(args.strategy, 1 << 30).values())))
-    from jaxpar.run import check_writable, write_json_atomically
     from jaxpar.verify import check, onnx_file, vnnlib
 
-    if args.json:
+    if args.json:  # (jaxpar.run, the training stack, is imported only for its JSON writing)
+        from jaxpar.run import check_writable, write_json_atomically
+
         check_writable(args.json, "--json", room=1 << 16)
     net = onnx_file.load_onnx(args.model)
     properties = {path: vnnlib.load_vnnlib(path, math.prod(net.in_shape), math.prod(net.out_shape)) for path in args.property}

@@ -56,7 +56,7 @@ from jaxpar.topology import Topology
 from jaxpar.train import data
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
 from jaxpar.train.federated import (
-    check_fragments, cut, fragment_due, fragment_views, inner_strategy, outer_optimizer, put, state_views,
+    check_fragments, cut, fragment_due, fragment_views, inner_strategy, mixed, outer_optimizer, put, state_views,
 )
 from jaxpar.train.step import Trainer
 
@@ -272,12 +272,11 @@ def _take_merged(job: Job, trainer: Trainer, state, round_: int, merged_part: in
         merged.close()
     if merged_part is not None:
         fragment = job.fragment(merged_part)
-        if (fragment, keep) not in _TAKE:  # one program per fragment
+        if (fragment, keep) not in _TAKE:  # one program per fragment and mix
             cuts, puts = job.views(trainer, fragment)
 
             def take(mine, new):
-                part = cut(new, cuts) if keep is None else jax.tree.map(lambda p, a: keep * p + (1 - keep) * a, cut(mine, cuts), cut(new, cuts))
-                return put(mine, part, puts)
+                return put(mine, cut(new, cuts) if keep is None else mixed(cut(mine, cuts), cut(new, cuts), keep), puts)
 
             _TAKE[fragment, keep] = jax.jit(take, out_shardings=trainer.state_shardings.params)
         params = _TAKE[fragment, keep](state.params, params)

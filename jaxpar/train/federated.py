@@ -185,13 +185,12 @@ class FederatedTrainer:
             cuts, puts = fragment_views(self.groups[0], self.fragments, self.layers, fragment)
 
             def mix(params, anchor):
-                part = jax.tree.map(lambda p, a: keep * p + (1 - keep) * a, cut(params, cuts), cut(anchor, cuts))
-                return put(params, part, puts)
+                return put(params, mixed(cut(params, cuts), cut(anchor, cuts), keep), puts)
 
             self._merges["mix", fragment, keep] = jax.jit(mix, donate_argnums=0,
                                                           out_shardings=jax.tree.map(lambda x: x.sharding, params))
-        mixed = self._merges["mix", fragment, keep](params, _stack(mesh, [state.anchor for state in states]))
-        return [state._replace(train=state.train._replace(params=part)) for state, part in zip(states, _unstack(self.groups, mixed))]
+        brought_in = self._merges["mix", fragment, keep](params, _stack(mesh, [state.anchor for state in states]))
+        return [state._replace(train=state.train._replace(params=part)) for state, part in zip(states, _unstack(self.groups, brought_in))]
 
     def stacked(self, states: list[GroupState]) -> dict:
         """The groups' states as one tree on the global mesh (each leaf's copies stacked along a
@@ -365,6 +364,12 @@ def fragment_views(group: Trainer, fragments: int, layers: int, fragment: int, s
 
     table = {path: views(path) for path in _shapes(group)}
     return nest({p: view for p, (view, _) in table.items()}), nest({p: view for p, (_, view) in table.items()})
+
+
+def mixed(copy, merged, keep: float):
+    """A delayed merge's result brought into a copy: ``keep`` of the copy plus the rest of the
+    merged tree (Streaming DiLoCo's mix)."""
+    return jax.tree.map(lambda p, a: keep * p + (1 - keep) * a, copy, merged)
 
 
 def cut(tree, cuts):

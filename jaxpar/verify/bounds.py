@@ -53,14 +53,13 @@ class Placement:
 
     def weight(self, i: int, w, tie):
         """Layer i's weight for use now (an FSDP shard gathered whole), made to depend on ``tie``
-        (the data it is about to meet: minus +0.0 times one of its values, exactly the weight for
-        finite data). So each use is its own gather, which XLA neither merges with another pass's
-        nor keeps alive from one pass to the next, and nothing computed from the weights alone
-        (``|w|``, a transpose) is made at the start and held; one device runs the same program.
-        (An optimization barrier would do it too, but would type the data as varying over fsdp.)"""
+        (the data it is about to meet, ``after``). So each use is its own gather, which XLA neither
+        merges with another pass's nor keeps alive from one pass to the next, and nothing computed
+        from the weights alone (``|w|``, a transpose) is made at the start and held; one device
+        runs the same program."""
         if w is None:
             return w
-        w = w - jnp.abs(jax.lax.stop_gradient(jax.tree.leaves(tie)[0].ravel()[0])) * 0.0
+        w = after(w, tie)
         if self.gather[i] is None:
             return w
         return jax.lax.all_gather(w, "fsdp", axis=self.gather[i], tiled=True, to="invarying")
@@ -85,6 +84,14 @@ class Placement:
         return lo_a, up_a, bias, self.roles[i] in ("column", "zone")
 
 
+def after(x, tie):
+    """``x`` made to depend on ``tie`` (a tree; one of its values): ``x`` minus +0.0 times that
+    value, exactly ``x`` for finite data, with no gradient through ``tie``. XLA then computes
+    ``x``'s uses only once ``tie`` exists. (An optimization barrier would do it too, but would type
+    ``tie`` as varying over every axis ``x`` varies over.)"""
+    return x - jnp.abs(jax.lax.stop_gradient(jax.tree.leaves(tie)[0].ravel()[0])) * 0.0
+
+
 def contract(a, x, ndim: int):
     """sum over the example dims of ``a`` (B, S, *shape) times ``x`` (shape, or (B, *shape)): a
     matrix-vector product (a sum of ``a * x`` would have XLA:CPU build ``x`` out to ``a``'s shape)."""
@@ -95,20 +102,17 @@ def contract(a, x, ndim: int):
 
 
 def ibp(net: Network, place: Placement, weights, lower, upper):
-    """[lower, upper] of the output (B, *out_shape) and each ReLU's pre-activation bounds, by
-    interval arithmetic."""
+    """[lower, upper] of the output (B, *out_shape), by interval arithmetic."""
     c, r = (upper + lower) / 2, (upper - lower) / 2
-    pre = []
     for i, (layer, (w, b)) in enumerate(zip(net.layers, weights)):
         if isinstance(layer, Affine):
             c, r = place.forward(i, layer, w, b, c, r)
         elif isinstance(layer, ReLU):
-            pre.append((c - r, c + r))
             lo, hi = jnp.maximum(c - r, 0), jnp.maximum(c + r, 0)
             c, r = (hi + lo) / 2, (hi - lo) / 2
         else:
             c, r = (x.reshape((x.shape[0], *layer.out_shape)) for x in (c, r))
-    return (c - r, c + r), pre
+    return c - r, c + r
 
 
 def relaxation(lower, upper):
@@ -171,9 +175,9 @@ def crown_relaxations(net: Network, place: Placement, weights, lower, upper) -> 
         first, rows = place.own_rows(count)
         column, columns = (jax.lax.axis_index("tensor") * (count // place.tensor), count // place.tensor) if split else (0, count)
         eye = ((first + jnp.arange(rows))[:, None] == (column + jnp.arange(columns))[None, :]).astype(lower.dtype)
-        # tied to the bounds before it (minus +0.0 times one of them): else the identity is a constant,
-        # and XLA computes every pass's first step at the start and holds them all until their pass
-        eye = eye - jnp.abs(jax.lax.stop_gradient(done.ravel()[0])) * 0.0
+        # after the bounds before it: else the identity is a constant, and XLA computes every
+        # pass's first step at the start and holds them all until their pass
+        eye = after(eye, done)
         shape = (columns,) if split else shape
         a = jnp.broadcast_to(eye.reshape((rows, *shape)), (lower.shape[0], rows, *shape))
         lo, hi = place.all_rows(backward(net, place, weights, k - 1, a, relax, lower, upper), count)

@@ -20,9 +20,6 @@ from jax.extend import core as jex_core
 
 from jaxpar.errors import JaxparError
 
-KINDS = ("dense", "conv", "scale", "bias")
-
-
 class NetworkError(JaxparError):
     """A network the bounds cannot follow (an operation, a shape), said before any work."""
 
@@ -107,15 +104,12 @@ class Network:
                 x = x.reshape((x.shape[0], *layer.out_shape))
         return x
 
-    def affine(self) -> list[Affine]:
-        return [layer for layer in self.layers if isinstance(layer, Affine)]
-
 
 def from_nnx(module, in_shape: tuple) -> Network:
     """The chain a Flax NNX ``module`` applies to one example of ``in_shape`` (traced on a batch of
     one; weights are the module's, by reference). Layers are named by their weights' paths in the
     module's state."""
-    from flax import nnx  # (models import nothing parallel; this module needs flax only here)
+    from flax import nnx  # (here only: an ONNX network and the bounds need none of flax)
 
     graphdef, state = nnx.split(module)
     names = {id(variable.get_value()): "/".join(str(part) for part in path[:-1]) or "/".join(map(str, path))

@@ -162,12 +162,13 @@ def compile_bound(net: Network, regions: int, specs: int, method: str = "crown",
     if regions % degree["data"]:
         raise NetworkError(f"{regions} regions do not split over data={degree['data']}; give a multiple of it")
     mesh = Mesh(np.array(devices[:math.prod(degree.values())]).reshape(tuple(degree.values())), AXES)
-    program = _program(net, placement, mesh, _specs(net, placement), method, alpha_steps, alpha_lr)
+    weight_specs = _specs(net, placement)
+    program = _program(net, placement, mesh, weight_specs, method, alpha_steps, alpha_lr)
     shape = lambda x: None if x is None else jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
     boxes = jax.ShapeDtypeStruct((regions, *net.in_shape), jnp.float32)
     rows = jax.ShapeDtypeStruct((regions, specs, *net.out_shape), jnp.float32)
     compiled = program.lower(jax.tree.map(shape, _weights(net)), boxes, boxes, rows).compile(compiler_options)
-    return Program(method, strategy, _weight_bytes(net, placement, degree), _memory(compiled), compiled, mesh)
+    return Program(method, strategy, _weight_bytes(net, weight_specs, degree), _memory(compiled), compiled, mesh)
 
 
 def bound(net: Network, lower, upper, method: str = "crown", spec=None, strategy: str = "", devices=None,
@@ -227,7 +228,7 @@ def _inputs(net: Network, lower, upper, spec):
 def _program(net: Network, placement, mesh: Mesh, weight_specs, method: str, steps: int, lr: float):
     def local(weights, lower, upper, spec):
         if method == "ibp":
-            (lo, hi), _ = bounds.ibp(net, placement, weights, lower, upper)
+            lo, hi = bounds.ibp(net, placement, weights, lower, upper)
             return _spec_interval(spec, lo, hi, len(net.out_shape))
         if method == "crown":
             return bounds.crown(net, placement, weights, lower, upper, spec)
@@ -245,14 +246,15 @@ def _spec_interval(spec, lo, hi, ndim: int):
         bounds.contract(spec, c, ndim) + bounds.contract(jnp.abs(spec), r, ndim)
 
 
-def _weight_bytes(net: Network, placement, degree: dict) -> int:
+def _weight_bytes(net: Network, weight_specs, degree: dict) -> int:
+    """Each device's bytes of the weights and biases, from their PartitionSpecs."""
     total = 0
-    for layer, role, gather in zip(net.layers, placement.roles, placement.gather):
-        for x in (getattr(layer, "w", None), getattr(layer, "b", None)):
+    for layer, specs in zip(net.layers, weight_specs):
+        for x, spec in zip((getattr(layer, "w", None), getattr(layer, "b", None)), specs):
             if x is not None:
-                split = (degree["tensor"] if role != "full" and (x is layer.w or role != "row") else 1)
-                total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // split // (degree["fsdp"] if gather is not None and x is layer.w else 1)
-    return int(total)
+                axes = [axis for entry in spec if entry for axis in (entry if isinstance(entry, tuple) else (entry,))]
+                total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // math.prod(degree[axis] for axis in axes)
+    return total
 
 
 def _memory(compiled) -> dict:
