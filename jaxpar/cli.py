@@ -545,7 +545,10 @@ def _verify(args) -> int:
     net = onnx_file.load_onnx(args.model)
     properties = {path: vnnlib.load_vnnlib(path, math.prod(net.in_shape), math.prod(net.out_shape)) for path in args.property}
     records = {}  # every file read and checked before the first bound
-    for path, prop in properties.items():
+    for number, (path, prop) in enumerate(properties.items(), 1):
+        where = f"under {args.strategy}" if args.strategy else "on one device"
+        print(f"[{number}/{len(properties)}] {path}: {args.method} {where}, then a search for a counterexample "
+              f"if the bounds do not prove it ...", flush=True)
         records[path] = check.check(net, prop, args.method, args.strategy, alpha_steps=args.alpha_steps,
                                     attack_steps=args.attack_steps, share_specs=args.share_specs)
         print("\n".join(check.summary(path, records[path])), flush=True)

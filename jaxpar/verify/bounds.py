@@ -72,16 +72,70 @@ class Placement:
             centre, radius = jax.lax.psum((centre, radius), "tensor")
         return centre + (0 if b is None else b), radius
 
-    def backward(self, i: int, layer: Affine, w, b, lo_a, up_a):
+    def backward(self, i: int, layer: Affine, w, b, lo_a, up_a, split_rows: bool = False):
         """(the lower and upper bounds' A through affine layer i, the bias's part of each bound,
-        whether those parts are partial sums over tensor). A column layer's transpose sums over its
-        split outputs: the one all-reduce of the A matrices. The weight is gathered once for both."""
+        whether those parts are per-device parts to sum over tensor). The weight is gathered once
+        for both A. Under tensor, A's columns follow the activations inside a split zone; at a
+        column layer, whose transpose sums over its split outputs, A is all-reduced whole, or with
+        ``split_rows`` summed into 1/tensor of its rows on each device (``_scatter_rows``), which a
+        row layer's transpose passes round (``_gather_rows``): A is then never whole on a device."""
         w = self.weight(i, w, lo_a)
         bias = 0.0 if b is None else jnp.stack([contract(lo_a, b, len(layer.out_shape)), contract(up_a, b, len(layer.out_shape))])
-        lo_a, up_a = layer.transpose(lo_a, w), layer.transpose(up_a, w)
-        if self.roles[i] == "column":
-            lo_a, up_a = jax.lax.psum((lo_a, up_a), "tensor")
-        return lo_a, up_a, bias, self.roles[i] in ("column", "zone")
+        transpose = lambda a: (layer.transpose(a[0], w), layer.transpose(a[1], w))
+        role = self.roles[i]
+        if split_rows and role == "column":
+            lo_a, up_a = self._scatter_rows(transpose, (lo_a, up_a))
+        elif split_rows and role == "row":
+            lo_a, up_a = self._gather_rows(transpose, (lo_a, up_a))
+        else:
+            lo_a, up_a = transpose((lo_a, up_a))
+            if role == "column":
+                lo_a, up_a = jax.lax.psum((lo_a, up_a), "tensor")
+        return lo_a, up_a, bias, role in ("column", "zone")
+
+    def _ring(self, x):
+        """``x`` from the previous device of the tensor ring."""
+        return jax.lax.ppermute(x, "tensor", [(j, (j + 1) % self.tensor) for j in range(self.tensor)])
+
+    def _scatter_rows(self, transpose, a):
+        """A column layer's transpose of A (all rows, its columns split), summed over the devices
+        into this device's 1/tensor of the rows: each block of rows is transposed where it is and
+        its sum carried round the ring, adding each device's part (a reduce-scatter of the
+        products, so no device holds the whole product)."""
+        count = a[0].shape[1] // self.tensor
+        here, total = jax.lax.axis_index("tensor"), None
+        for step in range(self.tensor):
+            block = (here + self.tensor - 1 - step) % self.tensor  # the one this device's sum reaches last is its own
+            if total is not None:
+                total = self._ring(total)
+            tie = a if total is None else total  # (each block's product after the sum it joins, so one at a time)
+            part = transpose(tuple(jax.lax.dynamic_slice_in_dim(after(x, tie), block * count, count, axis=1) for x in a))
+            total = part if total is None else tuple(s + p for s, p in zip(total, part))
+        return total
+
+    def _gather_rows(self, transpose, a):
+        """A row layer's transpose of A split by rows (this device's 1/tensor of them): each
+        block of rows passes round the ring and meets this device's rows of the weight (its share
+        of the layer's inputs), filling all of A's rows over this device's columns."""
+        count = a[0].shape[1]
+        here, block, whole = jax.lax.axis_index("tensor"), a, None
+        for step in range(self.tensor):
+            if step:
+                block = self._ring(block)
+            part = transpose(block)  # rows of the device ``step`` places back on the ring
+            if whole is None:
+                # (made after the first part: else XLA makes every pass's at the start and holds them)
+                whole = tuple(after(jnp.zeros((p.shape[0], count * self.tensor, *p.shape[2:]), p.dtype), p) for p in part)
+            at = (here + self.tensor - step) % self.tensor * count
+            whole = tuple(jax.lax.dynamic_update_slice_in_dim(x, p, at, axis=1) for x, p in zip(whole, part))
+        return whole
+
+    def spread(self, x):
+        """Bound parts (2, B, rows) of this device's 1/tensor of the rows, placed among zeros for
+        the other devices' rows: a sum over tensor then puts every device's rows together."""
+        count = x.shape[-1]
+        whole = jnp.zeros((*x.shape[:-1], count * self.tensor), x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(whole, x, jax.lax.axis_index("tensor") * count, axis=-1)
 
 
 def after(x, tie):
@@ -126,30 +180,40 @@ def relaxation(lower, upper):
     return chord, intercept, below
 
 
-def backward(net: Network, place: Placement, weights, start: int, a, relax: dict, lower, upper):
+def backward(net: Network, place: Placement, weights, start: int, a, relax: dict, lower, upper, split_rows: bool = False):
     """Bounds (lower, upper) of ``A y_start`` over the input box, ``A`` (B, S, *shape) on layer
     ``start``'s output, through the layers before it. ``relax[k]``: ReLU k's (chord, intercept,
-    lower slope for the lower bound, lower slope for the upper bound)."""
+    lower slope for the lower bound, lower slope for the upper bound). With ``split_rows`` (under
+    tensor, S a multiple of it) outside split zones this device holds 1/tensor of A's rows
+    (``Placement.backward``): ``a`` is those rows unless layer ``start`` is in a zone."""
     lo_a, up_a = a, a
-    full, partial = jnp.zeros(a.shape[:2]), jnp.zeros(a.shape[:2])
+    whole, partial = 0.0, 0.0  # the bias terms: complete, and per-device parts to sum over tensor
+
+    def add(term, columns_split: bool):
+        if columns_split:  # A's columns split: a part of the sum
+            return whole, partial + term
+        if split_rows:  # this device's rows, complete: among zeros for the others'
+            return whole, partial + place.spread(term)
+        return whole + term, partial
+
     for i in range(start, -1, -1):
         layer, (w, b) = net.layers[i], weights[i]
         if isinstance(layer, Affine):
-            lo_a, up_a, bias, split = place.backward(i, layer, w, b, lo_a, up_a)
-            full, partial = (full, partial + bias) if split else (full + bias, partial)
+            lo_a, up_a, bias, columns_split = place.backward(i, layer, w, b, lo_a, up_a, split_rows)
+            whole, partial = add(bias, columns_split)
         elif isinstance(layer, ReLU):
             chord, intercept, low_slope, up_slope = relax[i]
             lo_a, lo_bias = _relu_back(lo_a, chord, intercept, low_slope, upper_bound=False)
             up_a, up_bias = _relu_back(up_a, chord, intercept, up_slope, upper_bound=True)
-            bias = jnp.stack([lo_bias, up_bias])
-            full, partial = (full, partial + bias) if place.roles[i] == "zone" else (full + bias, partial)
+            whole, partial = add(jnp.stack([lo_bias, up_bias]), place.roles[i] == "zone")
         else:
             lo_a, up_a = (x.reshape((*x.shape[:2], *layer.in_shape)) for x in (lo_a, up_a))
-    full = full + jax.lax.psum(partial, "tensor")
     c, r = (upper + lower) / 2, (upper - lower) / 2
     n = len(net.in_shape)
-    return (contract(lo_a, c, n) - contract(jnp.abs(lo_a), r, n) + full[0],
-            contract(up_a, c, n) + contract(jnp.abs(up_a), r, n) + full[1])
+    whole, partial = add(jnp.stack([contract(lo_a, c, n) - contract(jnp.abs(lo_a), r, n),
+                                    contract(up_a, c, n) + contract(jnp.abs(up_a), r, n)]), False)
+    total = whole + jax.lax.psum(partial, "tensor")
+    return total[0], total[1]
 
 
 def _relu_back(a, chord, intercept, slope, upper_bound: bool):
@@ -164,8 +228,9 @@ def _relu_back(a, chord, intercept, slope, upper_bound: bool):
 def crown_relaxations(net: Network, place: Placement, weights, lower, upper) -> dict:
     """Each ReLU's relaxation from CROWN's bounds on its pre-activation (every neuron a
     specification, through the relaxations of the ReLUs before it). Each device bounds its own
-    rows (``Placement.own_rows``); under tensor, a ReLU in a split zone gets its own share of the
-    neurons' relaxations, and the identity A starts as its own columns."""
+    rows (``Placement.own_rows``). Under tensor, a ReLU in a split zone gets its own share of the
+    neurons' relaxations and the identity A starts as its own columns; elsewhere each device
+    starts from its 1/tensor of the rows (``backward``'s ``split_rows``, where they divide)."""
     relax, done = {}, lower  # (done: the last bounds computed, which the next pass's start waits for)
     for k, layer in enumerate(net.layers):
         if not isinstance(layer, ReLU):
@@ -173,6 +238,10 @@ def crown_relaxations(net: Network, place: Placement, weights, lower, upper) -> 
         shape, split = layer.shape, place.roles[k] == "zone"
         count = math.prod(shape)  # every neuron of the layer, split or not
         first, rows = place.own_rows(count)
+        split_rows = place.tensor > 1 and rows % place.tensor == 0
+        if split_rows and not split:
+            rows //= place.tensor
+            first = first + jax.lax.axis_index("tensor") * rows
         column, columns = (jax.lax.axis_index("tensor") * (count // place.tensor), count // place.tensor) if split else (0, count)
         eye = ((first + jnp.arange(rows))[:, None] == (column + jnp.arange(columns))[None, :]).astype(lower.dtype)
         # after the bounds before it: else the identity is a constant, and XLA computes every
@@ -180,7 +249,7 @@ def crown_relaxations(net: Network, place: Placement, weights, lower, upper) -> 
         eye = after(eye, done)
         shape = (columns,) if split else shape
         a = jnp.broadcast_to(eye.reshape((rows, *shape)), (lower.shape[0], rows, *shape))
-        lo, hi = place.all_rows(backward(net, place, weights, k - 1, a, relax, lower, upper), count)
+        lo, hi = place.all_rows(backward(net, place, weights, k - 1, a, relax, lower, upper, split_rows), count)
         done = lo  # (every neuron's, the same on every device)
         if split:
             lo, hi = (jax.lax.dynamic_slice_in_dim(x, column, columns, axis=1) for x in (lo, hi))

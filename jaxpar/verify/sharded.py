@@ -10,9 +10,12 @@
   identity as wide as each layer), ``share_specs`` gives each device 1/N of their rows too.
 - ``tensor=T``: dense layers go in Megatron pairs, the first split by its outputs (column), the
   second by its inputs (row), with the ReLUs (and scale and bias layers) between them split by
-  neuron; the bound matrices' columns follow the activations, and are all-reduced once at each
-  column layer on the way back. Bounds equal one device's up to float32 rounding (the row layer's
-  and the column layer's sums are added in another order). Convolutions and a dense layer left
+  neuron. The bound matrices' columns follow the activations inside a pair; passing back from
+  the outputs, they are all-reduced once at each column layer, and passing back from a layer's
+  neurons (as many rows as columns) each device bounds 1/T of the neurons and the matrices' row
+  blocks go round a ring at each split layer (``bounds.Placement.backward``): 1/T of every bound
+  matrix on each device. Bounds equal one device's up to float32 rounding (the row layer's and the
+  column layer's sums are added in another order). Convolutions and a dense layer left
   without a partner stay whole.
 - ``data=D``: the regions (and their specifications) split over D devices.
 """
