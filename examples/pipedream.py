@@ -20,6 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxpar.models import llama  # noqa: E402
@@ -56,7 +57,7 @@ if staleness != tuple(stages - s - 1 for s in range(stages)):
 starts = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(m, 4, 1))
 tokens = (starts + np.arange(args.seq_len + 1)) % cfg.vocab_size
 mesh = jax.make_mesh((stages, 2), ("stage", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-common = dict(first_fn=pieces.first_fn, last_fn=pieces.last_fn, edge_params=edge, learning_rate=args.learning_rate)
+common = dict(first_fn=pieces.first_fn, last_fn=pieces.last_fn, edge_params=edge, optimizer=optax.sgd(args.learning_rate))
 run = jax.jit(lambda s, t: pipeline.pipedream_train(pieces.stage_fn, s, t, mesh, schedule, **common))
 losses, _, _, versions = run(stacked, tokens)
 if not np.array_equal(versions, schedules.weight_versions(schedule)):

@@ -42,6 +42,8 @@ from jaxpar.parallel.block import blocks
 from jaxpar.parallel.expert import exchange
 from jaxpar.parallel.overlap import OVERLAPPED, collective_matmul
 from jaxpar.parallel.delayed import residual
+from jaxpar.parallel.subspace import SUBSPACE
+from jaxpar.parallel.subspace import codec as subspace_codec
 from jaxpar.parallel.tensor import DELAYED
 from jaxpar.rules import _ACTIVE, Layout, Names, _called, manual_layout, stored_table, vary_everywhere, vary_over, varying_axes
 
@@ -188,14 +190,20 @@ def residual_add(x, partial, contracted: Sequence[str], names: Names, pending=No
     Under delayed tensor parallelism (``pending`` from ``start_delayed``): each device adds its own
     ``partial`` at once and the other devices' share of ``pending`` (the previous sublayer's
     partial, whose all-reduce was issued when it was made), and ``partial`` becomes the pending
-    sum; the all-reduce of this sublayer's sum is then read only by the next sublayer's add."""
+    sum; the all-reduce of this sublayer's sum is then read only by the next sublayer's add.
+
+    Under ``subspace=k`` the finished sum is projected onto the layout's k-dimensional subspace
+    (``parallel/subspace``), so that a pipeline boundary carries k coordinates of the stream."""
     _check_rank(x, names)
     axes = residual.delayed_axes("residual_add")
     if pending is None:
         if axes:
             raise LayoutError("residual_add under delay=1 needs the pending partial sum: start the residual stream with "
                               "jaxpar.nn.start_delayed and carry what residual_add returns from sublayer to sublayer")
-        return x + reduce_partial(partial, contracted, names, project), None
+        added = reduce_partial(partial, contracted, names, project)
+        active = _ACTIVE.get()
+        k = active.layout.settings.get(SUBSPACE, 0) if active is not None else 0
+        return x + (subspace_codec.project(added, k) if k else added), None
     return residual.add_late(x, partial if project is None else project(partial), pending, contracted, axes)
 
 

@@ -75,6 +75,8 @@ class Layout:
     # each strategy's roles: the mesh axes its runtime reads off the layout ({role: axes}, from the
     # strategies' ``roles`` hook), e.g. the axes attention runs a context ring over
     roles: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # each strategy's settings its runtime reads ({name: value}, the ``settings`` hook), e.g. subspace's k
+    settings: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def effective_names(self, names: Names, shape) -> tuple:
         """``names`` with each replicable logical axis that its dim is too short to split replaced

@@ -271,15 +271,17 @@ def test_executor_errors():
 
 
 def test_pipedream_matches_its_simulation():
-    stages, m, lr = 4, 12, 0.02
+    """With Adam: each stage's optimizer state lives on its device and steps after each backward."""
+    stages, m = 4, 12
     stacked, edge = mlp_params()
     batch = mlp_batch(m)
     schedule = sc.pipedream(stages, m)
+    optimizer = optax.adam(0.01)
     run = jax.jit(lambda s, e, b: pl.pipedream_train(
         mlp_stage, s, b, stage_mesh(stages), schedule, first_fn=mlp_first, last_fn=mlp_last, edge_params=e,
-        learning_rate=lr))
+        optimizer=optimizer))
     losses, new_stacked, edge_copies, versions = run(stacked, edge, batch)
-    simulate = dict(first_fn=mlp_first, last_fn=mlp_last, edge_params=edge, learning_rate=lr)
+    simulate = dict(first_fn=mlp_first, last_fn=mlp_last, edge_params=edge, optimizer=optimizer)
     expected = pl.simulate_pipedream(mlp_stage, stacked, batch, stages, **simulate)
     np.testing.assert_array_equal(versions, expected[3])
     np.testing.assert_array_equal(versions, sc.weight_versions(schedule))
@@ -289,6 +291,36 @@ def test_pipedream_matches_its_simulation():
     # the comparison can fail: with fresh weights everywhere (no staleness) the run differs
     fresh = pl.simulate_pipedream(mlp_stage, stacked, batch, 1, **simulate)
     assert not np.allclose(np.asarray(new_stacked["w"]), np.asarray(fresh[1]["w"]), rtol=1e-3)
+
+
+@pytest.mark.parametrize("optimizer", [optax.sgd(0.05), optax.adam(0.01)], ids=["sgd", "adam"])
+def test_pipedream_on_one_stage_is_the_optimizer_bitwise(optimizer):
+    """One stage: nothing is stale, and PipeDream is the optimizer stepped after each micro-batch,
+    written here as a plain optax loop."""
+    m = 4
+    stacked, edge = mlp_params()
+    batch = mlp_batch(m)
+    run = jax.jit(lambda s, e, b: pl.pipedream_train(
+        mlp_stage, s, b, stage_mesh(1), sc.pipedream(1, m), first_fn=mlp_first, last_fn=mlp_last, edge_params=e,
+        optimizer=optimizer))
+    losses, new_stacked, edge_copies, _ = run(stacked, edge, batch)
+
+    def loss_fn(params, mb):
+        return mlp_last(params[1], mlp_stage(params[0], mlp_first(params[1], mb)), mb)
+
+    @jax.jit
+    def step(params, state, mb):
+        loss, grads = jax.value_and_grad(loss_fn)(params, mb)
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    params, state, expected = (stacked, edge), optimizer.init((stacked, edge)), []
+    for i in range(m):
+        params, state, loss = step(params, state, jax.tree.map(lambda b: b[i], batch))
+        expected.append(loss)
+    np.testing.assert_array_equal(losses, np.stack(expected))
+    for got, want in zip(jax.tree.leaves((new_stacked, jax.tree.map(lambda e: e[0], edge_copies))), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(got, want)
 
 
 # --- the repo's Llama ----------------------------------------------------------------------------

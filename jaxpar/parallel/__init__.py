@@ -7,6 +7,7 @@ A strategy string names mesh-axis degrees and options, e.g.::
     "data=2,fsdp=4"                HSDP: shard inside groups of 4, replicate across 2 groups
     "data=2,tensor=4,sp=on"        DP x TP with sequence parallelism
     "tensor=4,delay=1"             delayed TP: each sublayer's all-reduce read one sublayer later
+    "stage=4,data=2,subspace=160"  a pipeline whose boundaries carry 160 coordinates a position
     "tensor=4,sp=on,tp_overlap=on" collective matmul: SP's gathers and reductions as rings under the matmuls
     "fsdp=8,regather=on"           FSDP that gathers weights again for the backward pass
     "fsdp=8,param_shards=4"        hierarchical ZeRO: weights split in groups of 4, the rest over 8
@@ -26,7 +27,7 @@ line below.
 
 Strategies that are options of another say so in their module: ``sequence`` (``sp=on``),
 ``overlap`` (``tp_overlap=on``) and ``delayed`` (``delay=1``) of ``tensor``; ``hierarchical_zero``
-(``param_shards=``) of ``fsdp``.
+(``param_shards=``) of ``fsdp``; ``subspace`` (``subspace=k``) of ``stage``.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ import warnings
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import SpecError
 from jaxpar.parallel import (axonn, block, context, data, delayed, expert, federation, fsdp, hierarchical_zero, overlap, sequence, stage,
-                             tensor)
+                             subspace, tensor)
 from jaxpar.parallel.base import hooks
 from jaxpar.rules import LOGICAL_AXES, Layout
 
 STRATEGIES = tuple(hooks(module) for module in (
-    federation, stage, data, hierarchical_zero, fsdp, expert, block, context, axonn, tensor, sequence, delayed, overlap))
+    federation, stage, subspace, data, hierarchical_zero, fsdp, expert, block, context, axonn, tensor, sequence, delayed, overlap))
 OPTIONS = {key: (module, *parse) for module in STRATEGIES for key, parse in module.OPTIONS.items()}
 AXES = tuple(a for module in STRATEGIES for a in module.AXES)  # the mesh's axes, outermost (slowest links) first
 DCN_AXES = frozenset(a for module in STRATEGIES if module.CROSSES_DCN for a in module.AXES)  # may cross slices
@@ -151,10 +152,18 @@ def build_layout(strategy: Strategy, devices=None, num_slices: int = 1, extra_ru
             _, dcn = mesh_lib.split_ici_dcn(strategy.spec, num_slices)
         dcn_axes = tuple(a for a, d in dcn.items() if d > 1)
     roles = {role: axes for module in STRATEGIES for role, axes in module.roles(strategy).items()}
+    settings = {name: value for module in STRATEGIES for name, value in module.settings(strategy).items()}
     return Layout(
         mesh, compute, stored["param"], stored["optimizer"], stored["grad"], regather=strategy.regather, dcn_axes=dcn_axes,
-        replicable=frozenset().union(*(module.REPLICABLE for module in STRATEGIES)), roles=roles,
+        replicable=frozenset().union(*(module.REPLICABLE for module in STRATEGIES)), roles=roles, settings=settings,
     )
+
+
+def pipeline_pieces(layout: Layout, pieces):
+    """A pipeline's pieces as the layout's strategies run them (``base.pipeline_pieces``)."""
+    for module in STRATEGIES:
+        pieces = module.pipeline_pieces(layout, pieces)
+    return pieces
 
 
 def runner(strategy: Strategy) -> str | None:

@@ -20,6 +20,8 @@ The static half, read before any device is used:
 - ``check_model(strategy, model_cfg, seq_len)``: refuse a model and length it cannot split;
 - ``rules(strategy, compute, stored)``: its part of the layout's mappings;
 - ``roles(strategy)``: ``{role: mesh axes}`` its runtime reads off the layout (``Layout.role``);
+- ``settings(strategy)``: ``{name: value}`` of its options its runtime reads off the layout
+  (``Layout.settings``: subspace's k);
 - ``traffic(strategy, ctx)``: its analytic bytes on the wire (what it stores follows from its
   ``rules``: ``analysis.memory.zero_table``).
 
@@ -49,7 +51,9 @@ What it adds to a step:
 - ``attention_kernel(layout)``: the kernel it runs whatever a run asks (None: the run's choice);
 - ``compiler_options(layout)``: ``jax.jit`` compiler options its programs need;
 - ``serves_manually(layout)``: whether serving runs only inside one shard_map, where jaxpar's own
-  collectives run it (delayed TP: each device's own residual stream).
+  collectives run it (delayed TP: each device's own residual stream);
+- ``pipeline_pieces(layout, pieces)``: a pipeline's pieces as it runs them (subspace: boundaries
+  that carry coordinates), else ``pieces``.
 
 And its part of the report: ``report(layout, measured, cfg)`` (``measured``: a
 ``report.Measured`` of the compiled step) returns its section (None: none), ``summary(section)``
@@ -132,6 +136,10 @@ def roles(strategy) -> dict[str, tuple[str, ...]]:
     return {}
 
 
+def settings(strategy) -> dict:
+    return {}
+
+
 def traffic(strategy, ctx) -> dict:
     return {}
 
@@ -194,6 +202,10 @@ def compiler_options(layout) -> dict:
 
 def serves_manually(layout) -> bool:
     return False
+
+
+def pipeline_pieces(layout, pieces):
+    return pieces
 
 
 def report(layout, measured, cfg) -> dict | None:

@@ -172,6 +172,7 @@ def _pipeline(layout: Layout, loss_fn, state: ShardedState, cfg: TrainConfig, sy
     if sync is not None:
         raise LayoutError(f"grad_sync={cfg.grad_sync!r} is not supported with a pipeline (stage={stages}) yet; use grad_sync='exact'")
     split = pipeline_lib.split_at_layer_scan(loss_fn, state.graphdef, state.abstract, wrap_body=remat.checkpoint(policy))
+    split = dataclasses.replace(split, pieces=parallel.pipeline_pieces(layout, split.pieces))  # (subspace boundaries)
     schedule = schedules.make(cfg.schedule, stages, cfg.microbatches, cfg.chunks)
     if schedule.asynchronous:
         raise LayoutError(f"schedule {cfg.schedule!r} updates each stage's weights after every micro-batch, "

@@ -12,6 +12,7 @@ import math
 
 from jaxpar.errors import LayoutError
 from jaxpar.parallel import data
+from jaxpar.parallel.subspace import SUBSPACE
 
 AXES = ("stage",)
 CROSSES_DCN = True
@@ -63,7 +64,8 @@ def traffic(strategy, ctx) -> dict:
         layout = ctx.layout
         ways = lambda name: math.prod(layout.mesh.shape[a] for a in layout.axes_of(name))  # noqa: E731
         rows = ctx.batch // (schedule.microbatches * ways("batch"))
-        activation = rows * ctx.length // ways("residual_length") * ctx.model.embed * ctx.compute_bytes
+        width = layout.settings.get(SUBSPACE) or ctx.model.embed  # a position's values at a boundary
+        activation = rows * ctx.length // ways("residual_length") * width * ctx.compute_bytes
         # each of the V - 1 boundaries between virtual stages carries every micro-batch's activation
         # forward and its gradient back; per device, the mean over the S stages
         boundaries = schedule.stages * schedule.chunks - 1

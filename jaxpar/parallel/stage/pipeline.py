@@ -54,6 +54,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import PartitionSpec
 
 from flax import nnx
@@ -74,6 +75,7 @@ class PipelineModel:
     first_fn: Callable
     stage_fn: Callable
     last_fn: Callable
+    reads_edge_everywhere = False  # only the first and the last stage read the edge weights
 
     def first(self, edge, chunk, batch):
         return self.first_fn(edge, batch)
@@ -324,11 +326,11 @@ class _Actions:
     batch: Any
     flow: Any
     loss_scale: Any
-    learning_rate: Any  # None: synchronous; a number: PipeDream's SGD
+    optimizer: Any  # None: synchronous; an optax GradientTransformation: PipeDream's, stepped after each backward
 
     @property
     def asynchronous(self) -> bool:
-        return self.learning_rate is not None
+        return self.optimizer is not None
 
     def branch(self, kind):
         """The switch branch for actions of ``kind``: read the micro-batch, stored input and weights
@@ -352,7 +354,8 @@ class _Actions:
                 self._add_loss(carry, i, loss)
                 return carry, y, nothing
             dp, dedge, dx = self._pull_back(action, p, edge, x, carry, row, last)
-            self._apply_gradients(carry, j, dp, dedge, first | last)  # only the ends give edge gradients
+            # only the ends give edge gradients, unless every stage reads the edge weights
+            self._apply_gradients(carry, j, dp, dedge, first | last | self.model.reads_edge_everywhere)
             return carry, nothing, dx
 
         return run
@@ -398,13 +401,14 @@ class _Actions:
 
     def _apply_gradients(self, carry, j, dp, dedge, ends):
         """Synchronous: add the gradients to chunk ``j``'s and the edge accumulators. PipeDream:
-        an SGD step on this device's live weights at once."""
+        an optimizer step on this device's live weights at once (its one chunk), and on its copy
+        of the edge weights on the first and the last stage."""
         if self.asynchronous:
-            def sgd(w, g):
-                return w - self.learning_rate * g.astype(w.dtype)
-
-            carry["params"] = jax.tree.map(lambda w, g: w.at[j].set(sgd(w[j], g)), carry["params"], dp)
-            carry["edge"] = _cond(ends, lambda w, g: jax.tree.map(sgd, w, g), lambda w, g: w, carry["edge"], dedge)
+            step = lambda w, g, state: _optimizer_step(self.optimizer, w, g, state)  # noqa: E731
+            dp = jax.tree.map(lambda g: g[None], dp)  # (PipeDream runs one chunk per stage: j is 0)
+            carry["params"], carry["opt_state"] = step(carry["params"], dp, carry["opt_state"])
+            carry["edge"], carry["edge_opt_state"] = _cond(ends, step, lambda w, g, state: (w, state),
+                                                           carry["edge"], dedge, carry["edge_opt_state"])
             carry["updates"] = carry["updates"] + 1
         else:
             carry["grads"] = jax.tree.map(lambda a, g: a.at[j].add(g.astype(a.dtype)), carry["grads"], dp)
@@ -416,7 +420,8 @@ def _initial_carry(actions: _Actions, program: Program, flows, axis: str):
     """The scan's carry before the first tick, all zeros: buffers of stored stage inputs (``acts``)
     and arrived gradients (``cots``), each with one scratch slot more than the program assigns;
     then the loss and float32 gradient accumulators, or for PipeDream the live weights, their
-    per-slot stash, the update count and per micro-batch losses and weight versions."""
+    optimizer states, their per-slot stash, the update count and per micro-batch losses and
+    weight versions."""
     x0, stage_params, edge_params = actions.flow, actions.stage_params, actions.edge_params
     carry = {
         "acts": jnp.zeros((program.act_slots + 1, *x0.shape), x0.dtype),
@@ -427,6 +432,7 @@ def _initial_carry(actions: _Actions, program: Program, flows, axis: str):
         num_microbatches = jax.tree.leaves(actions.batch)[0].shape[0]
         carry.update(
             params=stage_params, edge=edge_params,
+            opt_state=actions.optimizer.init(stage_params), edge_opt_state=actions.optimizer.init(edge_params),
             stash=jax.tree.map(lambda w: jnp.zeros((slots, *w.shape), w.dtype), stage_params),
             stash_edge=jax.tree.map(lambda w: jnp.zeros((slots, *w.shape), w.dtype), edge_params),
             updates=jnp.zeros((), jnp.int32), versions=jnp.zeros((num_microbatches,), jnp.int32),
@@ -475,25 +481,25 @@ def _tick_fn(branches, here, axis: str, program: Program):
 
 
 def run_schedule(program: Program, model: PipelineModel, stage_params, edge_params, batch, *,
-                 loss_scale=1.0, learning_rate=None, axis: str = STAGE_AXIS):
+                 loss_scale=1.0, optimizer=None, axis: str = STAGE_AXIS):
     """Run a lowered schedule on this device (call inside ``shard_map`` with ``axis`` manual).
 
     ``stage_params``: this device's chunks, leaves shaped (v, k, ...); ``edge_params``: whole;
     ``batch``: every micro-batch, leaves shaped (m, ...). Weights the caller wants unreduced
     gradients of must already vary over the axes it sums over itself (as in ``Trainer``).
 
-    Synchronous (``learning_rate`` None): returns (sum of the micro-batch losses times
+    Synchronous (``optimizer`` None): returns (sum of the micro-batch losses times
     ``loss_scale``, gradients of that sum shaped like ``stage_params``, gradients w.r.t.
     ``edge_params`` from this device only). Loss and edge gradients are non-zero only on the
     devices of the first / last virtual stage: the caller sums them over ``axis``.
 
-    Asynchronous (PipeDream, SGD with ``learning_rate``): every backward updates this device's
+    Asynchronous (PipeDream, an optax ``optimizer``): every backward steps this device's
     weights at once, computed at the weights its forward used (stashed per micro-batch). Returns
     (loss per micro-batch (m,) [last stage only], updated ``stage_params``, this device's updated
     copy of ``edge_params``, the update count (weight version) each micro-batch's forward used)."""
     here = jax.lax.axis_index(axis)
     flow, flows = _check_pieces(model, stage_params, edge_params, batch, axis)
-    actions = _Actions(model, stage_params, edge_params, batch, flow, loss_scale, learning_rate)
+    actions = _Actions(model, stage_params, edge_params, batch, flow, loss_scale, optimizer)
     carry = _initial_carry(actions, program, flows, axis)
     # the (ticks, stages) tables, scanned over ticks; each device reads its own column
     table = {name: jnp.asarray(col) for name, col in program.columns().items()}
@@ -647,18 +653,18 @@ def _all_manual_program(layout, names, program, model, schedule):
 
 
 def pipedream_train(stage_fn, stage_params, batch, mesh, schedule: Schedule, *, first_fn, last_fn, edge_params,
-                    learning_rate: float):
-    """Asynchronous PipeDream with weight stashing and plain SGD over a stream of micro-batches
-    (``batch`` leaves (m, ...)), on a mesh whose only manual axis is ``stage`` (others Auto).
+                    optimizer):
+    """Asynchronous PipeDream with weight stashing and an optax ``optimizer`` over a stream of
+    micro-batches (``batch`` leaves (m, ...)), on a mesh whose only manual axis is ``stage`` (others
+    Auto).
 
-    Every stage updates its own weights after each backward; the first and the last stage each
-    keep and update their own copy of ``edge_params`` (first_fn's and last_fn's gradients).
-    Returns (loss of each micro-batch (m,), updated stacked weights in layer order, edge copies
-    stacked per stage (S, ...), weight version each micro-batch's forward used per stage (S, m))."""
+    Every stage steps its own weights (and optimizer state) after each backward; the first and the
+    last stage each keep and update their own copy of ``edge_params`` (first_fn's and last_fn's
+    gradients; one copy, both gradients, on one stage). Returns (loss of each micro-batch (m,),
+    updated stacked weights in layer order, edge copies stacked per stage (S, ...), weight version
+    each micro-batch's forward used per stage (S, m))."""
     if not schedule.asynchronous:
         raise ScheduleError(f"pipedream_train runs the asynchronous pipedream schedule, not {schedule.name!r}")
-    if schedule.stages < 2:
-        raise ScheduleError("pipedream needs at least 2 stages: the first and the last stage own separate edge weights")
     m = schedule.microbatches
     check_microbatches(batch, m)
     _check_mesh(mesh, schedule)
@@ -669,7 +675,7 @@ def pipedream_train(stage_fn, stage_params, batch, mesh, schedule: Schedule, *, 
     def body(params, edge, batch):
         edge = jax.tree.map(lambda e: vary_over(e, {STAGE_AXIS}), edge)
         losses, new, new_edge, versions = run_schedule(
-            program, model, _chunked(params, 1), edge, batch, learning_rate=learning_rate)
+            program, model, _chunked(params, 1), edge, batch, optimizer=optimizer)
         last = jax.lax.axis_index(STAGE_AXIS) == schedule.stages - 1
         losses = jax.lax.psum(jnp.where(last, losses, 0.0), STAGE_AXIS)
         return losses, _unchunked(new), jax.tree.map(lambda e: e[None], new_edge), versions[None]
@@ -683,18 +689,18 @@ def pipedream_train(stage_fn, stage_params, batch, mesh, schedule: Schedule, *, 
     return fn(stage_params, edge_params, batch)
 
 
-def simulate_pipedream(stage_fn, stage_params, batch, stages: int, *, first_fn, last_fn, edge_params,
-                       learning_rate: float):
+def simulate_pipedream(stage_fn, stage_params, batch, stages: int, *, first_fn, last_fn, edge_params, optimizer):
     """The oracle for ``pipedream_train``, on one device and from PipeDream's definition alone:
     micro-batch i runs stage s with the weights after max(0, i - (S-s-1)) of that stage's updates
-    (1F1B keeps S-s micro-batches in flight on stage s) and its gradient then updates stage s's
-    current weights. Stage 0 owns first_fn's copy of ``edge_params``, stage S-1 last_fn's.
-    Returns what ``pipedream_train`` returns."""
+    (1F1B keeps S-s micro-batches in flight on stage s) and its gradient then steps stage s's
+    current weights with ``optimizer``. Stage 0 owns first_fn's copy of ``edge_params``, stage S-1
+    last_fn's (one copy on one stage). Returns what ``pipedream_train`` returns."""
     m = jax.tree.leaves(batch)[0].shape[0]
     k = stacked_layers(stage_params) // stages
     split = [jax.tree.map(lambda x: x[s * k:(s + 1) * k], stage_params) for s in range(stages)]
-    history = [[w] for w in split]  # history[s][n]: stage s's weights after n updates
-    first_history, last_history = [edge_params], [edge_params]
+    # each block's weights after n of its updates (history[n]) and its optimizer state now
+    blocks = [{"history": [w], "state": optimizer.init(w)} for w in split]
+    edges = [{"history": [edge_params], "state": optimizer.init(edge_params)} for _ in range(min(stages, 2))]
 
     def loss_of(chunks, first_edge, last_edge, mb):
         x = first_fn(first_edge, mb)
@@ -703,20 +709,28 @@ def simulate_pipedream(stage_fn, stage_params, batch, stages: int, *, first_fn, 
         return last_fn(last_edge, x, mb)
 
     grad = jax.jit(jax.value_and_grad(loss_of, argnums=(0, 1, 2)))
+    step = jax.jit(lambda w, g, state: _optimizer_step(optimizer, w, g, state))
     losses, versions = [], [[max(0, i - (stages - s - 1)) for i in range(m)] for s in range(stages)]
     for i in range(m):
         mb = jax.tree.map(lambda b: b[i], batch)
-        chunks = [history[s][versions[s][i]] for s in range(stages)]
+        chunks = [blocks[s]["history"][versions[s][i]] for s in range(stages)]
         loss, (g_chunks, g_first, g_last) = grad(
-            chunks, first_history[versions[0][i]], last_history[versions[-1][i]], mb)
+            chunks, edges[0]["history"][versions[0][i]], edges[-1]["history"][versions[-1][i]], mb)
         losses.append(loss)
-        for s in range(stages):
-            history[s].append(jax.tree.map(lambda w, g: w - learning_rate * g, history[s][-1], g_chunks[s]))
-        first_history.append(jax.tree.map(lambda w, g: w - learning_rate * g, first_history[-1], g_first))
-        last_history.append(jax.tree.map(lambda w, g: w - learning_rate * g, last_history[-1], g_last))
-    final = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[h[-1] for h in history])
-    edge_copies = [first_history[-1]] + [edge_params] * (stages - 2) + [last_history[-1]]
+        edge_grads = [g_first, g_last] if stages > 1 else [jax.tree.map(jnp.add, g_first, g_last)]
+        for block, g in zip(blocks + edges, list(g_chunks) + edge_grads):
+            w, block["state"] = step(block["history"][-1], g, block["state"])
+            block["history"].append(w)
+    final = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[block["history"][-1] for block in blocks])
+    ends = [edge["history"][-1] for edge in edges]
+    edge_copies = ends[:1] + [edge_params] * (stages - 2) + ends[1:]
     return jnp.stack(losses), final, jax.tree.map(lambda *xs: jnp.stack(xs), *edge_copies), np.array(versions)
+
+
+def _optimizer_step(optimizer, w, g, state):
+    """(weights, optimizer state) after one step of ``optimizer`` with gradients ``g``."""
+    updates, state = optimizer.update(jax.tree.map(lambda g, w: g.astype(w.dtype), g, w), state, w)
+    return optax.apply_updates(w, updates), state
 
 
 # --- the repo's Llama, split into pipeline pieces ------------------------------------------------
@@ -774,6 +788,8 @@ class LayerScanPieces:
     flowed in, ``last`` what follows the scan. Edge weights are gathered whole, stacked ones a layer
     at a time inside the scan, as in ``Trainer``'s step; a stage that holds no edge weights (an
     MPMD middle stage) traces with placeholders, which the cut never evaluates."""
+
+    reads_edge_everywhere = False  # only the first and the last stage read the edge weights
 
     def __init__(self, loss_fn, graphdef, abstract_state, stacked, wrap_body=None):
         self.loss_fn, self.graphdef, self.stacked, self.wrap_body = loss_fn, graphdef, stacked, wrap_body

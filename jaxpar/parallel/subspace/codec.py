@@ -1,0 +1,79 @@
+"""The subspace and the pipeline boundary's code: what a stage sends is the residual stream's
+coordinates in a fixed k-dimensional subspace, not the stream.
+
+Under ``subspace=k`` every write a model makes to its residual stream (``jaxpar.nn.residual_add``)
+is projected onto span(U), U a fixed (d, k) matrix with orthonormal columns drawn from a fixed
+seed, the same on every device and never sent (a constant of the program). The stream after the
+embedding is then ``x = x0 + U c``: ``x0`` the embedding's output, ``c`` k coordinates. Each stage
+of an SPMD pipeline holds the edge weights and the micro-batch, so it computes ``x0`` itself: a
+boundary carries ``c = U^T (x - x0)`` (k values a position, against d) each way, and the next
+stage rebuilds ``x = x0 + U c``, exactly up to float rounding. (The subspace networks of arXiv
+2506.01260 add a fixed token embedding to the stream and send the token id with ``c``, for stages
+that hold no embedding; here every stage holds one, so the id is not needed.)
+
+Through the boundary the gradients are the stream's too: ``x``'s gradient reaches ``c`` as
+``U^T dx`` and the embedding, which every stage rebuilds, gets its part of the gradient from
+each stage (the pipeline sums the edge weights' gradients over the stages). With k = d, U is
+square and orthonormal and the model is the dense one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SEED = 2506  # one basis for every device, run and process: the boundary's code depends on it
+
+
+@functools.lru_cache(maxsize=16)
+def basis(width: int, k: int) -> np.ndarray:
+    """U: (width, k) float32 with orthonormal columns, from ``SEED`` (a QR of a Gaussian matrix),
+    made on the host once and put in the program as a constant."""
+    gaussian = np.random.default_rng(SEED).standard_normal((width, k))
+    q, r = np.linalg.qr(gaussian)
+    return (q * np.sign(np.diag(r))).astype(np.float32)  # (signs fixed: one U for every QR)
+
+
+def project(y, k: int):
+    """``y`` (..., d) projected onto the subspace: U U^T y."""
+    u = jnp.asarray(basis(y.shape[-1], k), y.dtype)
+    return (y @ u) @ u.T
+
+
+def encode(x, x0, k: int):
+    """The coordinates a boundary carries: U^T (x - x0)."""
+    return (x - x0) @ jnp.asarray(basis(x.shape[-1], k), x.dtype)
+
+
+def decode(c, x0, k: int):
+    """The stream back from its coordinates: x0 + U c."""
+    return x0 + c @ jnp.asarray(basis(x0.shape[-1], k), c.dtype).T
+
+
+@dataclasses.dataclass(frozen=True)
+class SubspacePieces:
+    """A model's pipeline pieces (``pipeline.PipelineModel`` or ``LayerScanPieces``) whose
+    boundaries carry the stream's k coordinates: the first piece hands on zero coordinates (the
+    stream is then the embedding), each stage rebuilds the stream from the embedding it computes
+    again, runs its chunk and hands on the coordinates of the result, the last piece rebuilds it."""
+
+    pieces: object
+    k: int
+    reads_edge_everywhere = True  # every stage computes the embedding: each one's edge gradients count
+
+    def first(self, edge, chunk, batch):
+        # zeros, typed as the stream's coordinates; no gradient: the stage after it rebuilds x0
+        x0 = jax.lax.stop_gradient(self.pieces.first(edge, chunk, batch))
+        return encode(x0, x0, self.k)
+
+    def stage(self, edge, chunk, c, batch):
+        x0 = self.pieces.first(edge, chunk, batch)
+        return encode(self.pieces.stage(edge, chunk, decode(c, x0, self.k), batch), x0, self.k)
+
+    def last(self, edge, chunk, c, batch):
+        x0 = self.pieces.first(edge, chunk, batch)
+        return self.pieces.last(edge, chunk, decode(c, x0, self.k), batch)
