@@ -39,19 +39,21 @@ def basis(width: int, k: int) -> np.ndarray:
 
 
 def project(y, k: int):
-    """``y`` (..., d) projected onto the subspace: U U^T y."""
-    u = jnp.asarray(basis(y.shape[-1], k), y.dtype)
-    return (y @ u) @ u.T
+    """``y`` (..., d) projected onto the subspace: U U^T y, in float32 (U in bf16 would not be
+    orthonormal to the code's rounding)."""
+    u = jnp.asarray(basis(y.shape[-1], k))
+    return ((y.astype(jnp.float32) @ u) @ u.T).astype(y.dtype)
 
 
 def encode(x, x0, k: int):
-    """The coordinates a boundary carries: U^T (x - x0)."""
-    return (x - x0) @ jnp.asarray(basis(x.shape[-1], k), x.dtype)
+    """The coordinates a boundary carries, in ``x``'s dtype: U^T (x - x0)."""
+    return ((x.astype(jnp.float32) - x0.astype(jnp.float32)) @ jnp.asarray(basis(x.shape[-1], k))).astype(x.dtype)
 
 
 def decode(c, x0, k: int):
-    """The stream back from its coordinates: x0 + U c."""
-    return x0 + c @ jnp.asarray(basis(x0.shape[-1], k), c.dtype).T
+    """The stream back from its coordinates, in ``x0``'s dtype: x0 + U c."""
+    u = jnp.asarray(basis(x0.shape[-1], k))
+    return (x0.astype(jnp.float32) + c.astype(jnp.float32) @ u.T).astype(x0.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
