@@ -65,6 +65,11 @@ class Topology:
     source: str = ""  # path of the file it came from
     groups: tuple[DeviceGroup, ...] = ()  # a heterogeneous cluster's device groups (empty: one kind)
     group_bandwidth: float = 0.0  # bytes/s per chip between groups, one direction (heterogeneous only)
+    # a pipeline's links between stages where they are slower than the rest (internet-grade: 80-200
+    # Mb/s, 50 ms): bytes/s one direction and seconds before a transfer's first byte; 0: the stages
+    # are joined by the links above
+    stage_link_bandwidth: float = 0.0
+    stage_link_latency: float = 0.0
 
     @property
     def is_heterogeneous(self) -> bool:
@@ -111,8 +116,10 @@ _KEYS = {
     "hbm_bandwidth_gbps": ("num", GB),
     "peak_bf16_tflops": ("num", TERA),
     "tpu_topology": ("str", None),
+    "stage_link_mbps": ("num", None),
+    "stage_link_latency_ms": ("num", None),
 }
-_OPTIONAL = {"tpu_topology"}
+_OPTIONAL = {"tpu_topology", "stage_link_mbps", "stage_link_latency_ms"}
 _EXAMPLES = {"str": '"text"', "int": "8", "num": "100.0", "shape": "[4, 4, 8]"}
 
 
@@ -267,6 +274,7 @@ def _from_dict(data: dict, path: pathlib.Path) -> Topology:
         hbm_bandwidth=float(v["hbm_bandwidth_gbps"]) * GB,
         peak_bf16_flops=float(v["peak_bf16_tflops"]) * TERA,
         tpu_topology=v.get("tpu_topology"), source=where,
+        stage_link_bandwidth=v.get("stage_link_mbps", 0.0) * 1e6 / 8, stage_link_latency=v.get("stage_link_latency_ms", 0.0) / 1e3,
     )
 
 

@@ -63,6 +63,25 @@ def test_pruned_search_finds_the_exhaustive_best(model, topology, batch, seq_len
     assert pruned[0].step_s == pytest.approx(fitting[0].step_s, rel=1e-12)
 
 
+def test_slow_stage_links_price_every_pipeline_send_and_nothing_else():
+    """cpu-8-slow-stages is cpu-8 with 200 Mb/s, 50 ms links between pipeline stages: a candidate
+    without a pipeline costs the same on both, one with S stages at least the latency of the
+    2 (S - 1) sends of its fill and drain more, and the best plan there has no pipeline."""
+    fast, slow = (planner.exhaustive(planner.problem_for("tiny", load_topology(name), 16, 128))
+                  for name in ("cpu-8", "cpu-8-slow-stages"))
+    slow_by = {r.candidate: r for r in slow}
+    piped = 0
+    for r in fast:
+        stages = r.candidate.degree("stage")
+        other = slow_by[r.candidate]
+        if stages == 1:
+            assert other.step_s == pytest.approx(r.step_s, rel=1e-12)
+        else:
+            piped += 1
+            assert other.step_s - r.step_s >= 2 * (stages - 1) * 0.050 * (1 - 1e-9)
+    assert piped and next(r for r in slow if r.fits).candidate.degree("stage") == 1
+
+
 def test_pruned_search_finds_the_exhaustive_best_across_groups(tmp_path):
     problem = planner.problem_for("tiny", two_groups(tmp_path), 16, 128)
     pruned, every = planner.search(problem), [r for r in planner.exhaustive(problem) if r.fits]

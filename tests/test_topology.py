@@ -57,6 +57,14 @@ def edit(key: str, line: str | None) -> str:
     return "\n".join(l for l in out if l is not None) + "\n"
 
 
+def test_stage_links_are_read_in_megabits_and_milliseconds(tmp_path):
+    t = load_topology(write(tmp_path, GOOD + "stage_link_mbps = 200\nstage_link_latency_ms = 50\n"))
+    assert (t.stage_link_bandwidth, t.stage_link_latency) == (25e6, 0.05)  # bytes/s, seconds
+    assert load_topology(write(tmp_path, GOOD)).stage_link_bandwidth == 0.0  # none: the stages ride the links above
+    with pytest.raises(TopologyError, match=r"'stage_link_mbps' must be positive, got -1"):
+        load_topology(write(tmp_path, GOOD + "stage_link_mbps = -1\n"))
+
+
 # --- shipped files ---------------------------------------------------------------------------
 
 def test_all_required_topologies_are_shipped():

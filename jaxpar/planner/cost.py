@@ -10,7 +10,9 @@
 - **Time**: the roofline (``jaxpar.analysis.roofline.estimate_step``: matmuls at the chip's
   efficiency, attention, HBM-bound parts, collectives split into overlapped and exposed) on the
   model's active weights (``roofline``: a mixture of experts runs top_k of its experts per token), plus a latency
-  (alpha) per collective message on each link tier and, for a pipeline, the schedule's bubble.
+  (alpha) per collective message on each link tier and, for a pipeline, the schedule's bubble, and
+  where the topology's stage links are slow (``stage_link_mbps``), the schedule run with its sends
+  on them (``stage_link_seconds``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import jax.numpy as jnp
 
 from jaxpar.analysis import memory as memory_lib
+from jaxpar.analysis import overlap
 from jaxpar.analysis import roofline
 from jaxpar.analysis.traffic import traffic_context
 from jaxpar.parallel import STRATEGIES
@@ -88,18 +91,40 @@ class GroupTime:
 
 
 def group_time(cfg, rows: int, length: int, traffic: dict, view, chips: int, *, layout, state: dict, remat: str,
-               microbatches: int, attention: str, compute_dtype: str, bubble: float = 0.0) -> GroupTime:
-    """The step of ``chips`` chips of ``view``'s kind running ``cfg``'s layers on ``rows`` sequences."""
+               microbatches: int, attention: str, compute_dtype: str, schedule=None) -> GroupTime:
+    """The step of ``chips`` chips of ``view``'s kind running ``cfg``'s layers on ``rows`` sequences;
+    ``schedule``: a pipeline's (its bubble, and its sends where ``view`` has slow stage links)."""
     dcn = set(layout.dcn_axes)
+    slow = schedule is not None and view.stage_link_bandwidth > 0
+    stage_sends = traffic.get(STAGE_SENDS, 0.0) if slow else 0.0
+    traffic = {key: sent for key, sent in traffic.items() if not (slow and key == STAGE_SENDS)}  # (priced below)
     rows_in = [(kind, axis, sent, axis in dcn) for (kind, axis), sent in traffic.items()]
     est = roofline.estimate_step(
         cfg, rows, length, rows_in, view, chips, state_bytes=state, batch_axes=layout.batch_axes,
         tensor=layout.mesh.shape["tensor"], recompute=roofline.RECOMPUTE[remat], attention=attention, compute_dtype=compute_dtype)
     layers_here = cfg.layers // layout.mesh.shape["stage"]
     exposed_alpha, hidden_alpha = latency_seconds(traffic, dcn, layers_here, microbatches, remat)
+    bubble = schedule.bubble_fraction() if schedule is not None else 0.0
     bubble_s = est.compute_s * bubble / (1 - bubble) if bubble else 0.0
-    return GroupTime(est.compute_s, est.overlapped_comm_s + hidden_alpha, est.exposed_comm_s + exposed_alpha, bubble_s,
-                     est.model_flops, chips * view.peak_bf16_flops)
+    stage_links_s = stage_link_seconds(schedule, est.compute_s, stage_sends, view) if slow else 0.0
+    return GroupTime(est.compute_s, est.overlapped_comm_s + hidden_alpha, est.exposed_comm_s + exposed_alpha + stage_links_s,
+                     bubble_s, est.model_flops, chips * view.peak_bf16_flops)
+
+
+STAGE_SENDS = ("collective-permute", "stage")
+
+
+def stage_link_seconds(schedule, compute_s: float, sent: float, view) -> float:
+    """What slow stage links (``view.stage_link_bandwidth`` / ``stage_link_latency``) add to a
+    step: ``schedule`` run with real durations (``analysis.overlap.schedule_exposed``), a forward
+    a third of a micro-batch's share of ``compute_s`` (a backward twice it), each send the latency
+    plus one micro-batch's activation over the bandwidth. ``sent``: a device's bytes over stage a
+    step, the mean over the stages of the 2 m (V - 1) sends between the V virtual stages."""
+    m = schedule.microbatches
+    per_send = sent * schedule.stages / (2 * m * (schedule.virtual_stages - 1))
+    forward_s = compute_s / (3 * m * schedule.chunks)
+    send_s = view.stage_link_latency + per_send / view.stage_link_bandwidth
+    return overlap.schedule_exposed(schedule, forward_s, 2 * forward_s, send_s)
 
 
 def memory(step, cfg, rows: int, length: int, compute_dtype: str) -> dict[str, float]:

@@ -79,10 +79,10 @@ def _group_priced(pricer: Pricer, candidate: space.Candidate, kind: str, share: 
                for k, v in cost.summed_traffic(step, strategy, rows, p.seq_len, p.cfg).items()}
     memory = {part: b * (layer_scale if part != "logits" else 1.0)
               for part, b in cost.memory(step, p.cfg, rows // step.layout.batch_shards, p.seq_len, p.compute_dtype).items()}
-    bubble = step.plan.schedule.bubble_fraction() if step.plan.schedule is not None else 0.0
     t = cost.group_time(cfg, rows, p.seq_len, traffic, view, p.topology.num_chips, layout=step.layout,
                         state=memory_lib.zero_table(step), remat=candidate.remat,
-                        microbatches=candidate.microbatches, attention=p.attention, compute_dtype=p.compute_dtype, bubble=bubble)
+                        microbatches=candidate.microbatches, attention=p.attention, compute_dtype=p.compute_dtype,
+                        schedule=step.plan.schedule)
     cache[key] = (t, memory, traffic, view)
     return cache[key]
 

@@ -116,11 +116,10 @@ class Pricer:
         strategy, step = self.step(candidate)
         memory = memory if memory is not None else self.memory(candidate)
         traffic = cost.summed_traffic(step, strategy, p.batch, p.seq_len, p.cfg)
-        bubble = step.plan.schedule.bubble_fraction() if step.plan.schedule is not None else 0.0
         t = cost.group_time(p.cfg, p.batch, p.seq_len, traffic, p.topology, p.topology.num_chips, layout=step.layout,
                             state=memory_lib.zero_table(step), remat=candidate.remat,
                             microbatches=candidate.microbatches, attention=p.attention, compute_dtype=p.compute_dtype,
-                            bubble=bubble)
+                            schedule=step.plan.schedule)
         return Priced(candidate, t.step_s, t.compute_s, t.exposed_comm_s, t.overlapped_comm_s, t.bubble_s, memory,
                       p.topology.hbm_bytes, traffic, t.model_flops / (t.peak_flops * t.step_s))
 
