@@ -1,12 +1,16 @@
-"""Subspace pipeline boundaries (``subspace=k``): the boundary's code is exact, the pipelined model
-equals the same model on one device, ``subspace=d`` is the dense model, the stages send k values a
-position each way on the compiled HLO, and bad input is refused in words.
+"""Training over slow links. Subspace pipeline boundaries (``subspace=k``): the boundary's code is
+exact, the pipelined model equals the same model on one device, ``subspace=d`` is the dense model,
+the stages send k values a position each way on the compiled HLO, and bad input is refused in
+words. Stage links slowed for real (``--stage-link-latency-ms``): each sending tick waits, and
+nothing else changes.
 
 The model is written here as a plain Flax user writes one (nnx.Embed, nnx.Linear, nnx.RMSNorm,
 nnx.vmap / nnx.scan over stacked blocks, an optax loss); its one jaxpar call marks the writes to
 its residual stream (``jaxpar.nn.residual_add``)."""
+import dataclasses
 import functools
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -71,27 +75,32 @@ CFG = TrainConfig(learning_rate=1e-2, warmup_steps=1, total_steps=STEPS, microba
 BATCHES = np.asarray(jax.random.randint(jax.random.key(1), (STEPS, 8, 9), 0, VOCAB))
 
 
-def trainer_of(strategy, marked=True, layout=None):
+def trainer_of(strategy, marked=True, layout=None, **options):
     layout = layout or build_layout(parse_strategy(strategy, 8))
+    cfg = dataclasses.replace(CFG, **options)
     # (SGD with momentum: a weight moves by its gradients alone, where Adam would turn a rounding
     # difference of a gradient near zero into a whole step)
-    return Trainer(layout, lambda rngs: Model(marked, rngs=rngs), loss_fn, CFG, optimizer=optax.sgd(0.3, momentum=0.9))
+    return Trainer(layout, lambda rngs: Model(marked, rngs=rngs), loss_fn, cfg, optimizer=optax.sgd(0.3, momentum=0.9))
 
 
 @functools.cache
-def trained(strategy, on_one_device=False):
-    """(losses of STEPS steps, the weights after them, the compiled step's HLO text)."""
-    trainer = trainer_of(strategy)
+def trained(strategy, on_one_device=False, **options):
+    """(losses of STEPS steps, the weights after them, the compiled step's HLO text, each step's
+    seconds, the trainer)."""
+    trainer = trainer_of(strategy, **options)
     if on_one_device:
-        trainer = trainer_of(strategy, layout=one_device(trainer.layout))
+        trainer = trainer_of(strategy, layout=one_device(trainer.layout), **options)
     state = trainer.init(0)
     example = trainer.put_batch(BATCHES[0])
     step = trainer.jit_step(example).lower(state, example).compile()
-    losses = []
+    losses, seconds = [], []
     for batch in BATCHES:
-        state, metrics = step(state, trainer.put_batch(batch))
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state.params), step.as_text()
+        batch = trainer.put_batch(batch)
+        began = time.perf_counter()
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))  # (waits for the step)
+        seconds.append(time.perf_counter() - began)
+    return np.array(losses), jax.device_get(state.params), step.as_text(), seconds, trainer
 
 
 def test_the_boundary_code_gives_the_stream_back():
@@ -113,18 +122,18 @@ def test_the_boundary_code_gives_the_stream_back():
 def test_the_pipelined_subspace_model_equals_one_device():
     """Three SGD steps of stage=2,data=4,subspace=8 against the same layout's one-device twin (the
     writes projected alike, no pipeline): losses and weights to float32 rounding (fp32)."""
-    losses, params, _ = trained(f"stage=2,data=4,subspace={K}")
-    want_losses, want, _ = trained(f"stage=2,data=4,subspace={K}", on_one_device=True)
+    losses, params = trained(f"stage=2,data=4,subspace={K}")[:2]
+    want_losses, want = trained(f"stage=2,data=4,subspace={K}", on_one_device=True)[:2]
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=2e-5, err_msg=jax.tree_util.keystr(path))
-    dense, _, _ = trained("stage=2,data=4")
+    dense = trained("stage=2,data=4")[0]
     assert abs(losses[-1] - dense[-1]) > 1e-3  # (the subspace is another function than the dense model)
 
 
 def test_subspace_of_the_full_width_is_the_dense_model():
-    losses, params, _ = trained(f"stage=2,data=4,subspace={WIDTH}")
-    dense, want, _ = trained("stage=2,data=4")
+    losses, params = trained(f"stage=2,data=4,subspace={WIDTH}")[:2]
+    dense, want = trained("stage=2,data=4")[:2]
     np.testing.assert_allclose(losses, dense, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=2e-5)
@@ -162,3 +171,20 @@ def test_bad_input_is_refused_in_words():
         trainer = trainer_of(f"stage=2,data=4,subspace={K}", marked=False)
         state = trainer.init(0)
         trainer.step(state, trainer.put_batch(BATCHES[0]))
+
+
+def test_slowed_stage_links_make_each_sending_tick_wait_and_change_nothing_else():
+    """--stage-link-latency-ms 100: every tick of the schedule that sends between stages waits
+    100 ms for real (the simulated devices' waits run at once), and the numbers are the same: the
+    losses bitwise, the weights to float32 rounding (bitwise at XLA's default flags; under the
+    suite's, XLA fuses the program around the waits otherwise: 7e-9 seen)."""
+    losses, params, _, seconds, trainer = trained("stage=2,data=4", stage_link_latency_ms=100.0)
+    want_losses, want, _, fast, _ = trained("stage=2,data=4")
+    np.testing.assert_array_equal(losses, want_losses)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-7 * np.max(np.abs(b)))
+    program = trainer.plan.program
+    sending = int(np.sum((program.forward_send > 0) | (program.backward_send > 0)))
+    assert sending >= 2 and min(seconds) >= 0.1 * sending > 4 * min(fast), (seconds, sending, fast)
+    with pytest.raises(SpecError, match=r"--stage-link-latency-ms -1.0: give a speed or a latency of 0 or more"):
+        trainer_of("stage=2,data=4", stage_link_latency_ms=-1.0).init(0)

@@ -56,6 +56,13 @@ class TrainConfig:
     schedule: str = flag("1f1b", given=True, choices=["gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b"], commands=TRAIN_COMPILE, help={
         "train": "pipeline schedule when the strategy has stage=N (default 1f1b)",
         "compile": "pipeline schedule when the strategy has stage=N"})
+    # a pipeline's sends slowed for real (each tick that sends waits latency + bytes / bandwidth):
+    # wall-clock comparisons of links slower than this machine's (0: as fast as they are)
+    stage_link_mbps: float = flag(0.0, given=True, metavar="MBPS", help=(
+        "with stage=N: make every send between stages take its bytes over this many megabits per second, "
+        "for real (e.g. 200; with --stage-link-latency-ms, internet-grade links on simulated devices)"))
+    stage_link_latency_ms: float = flag(0.0, given=True, metavar="MS", help=(
+        "with stage=N: make every send between stages wait this many milliseconds before its first byte, for real (e.g. 50)"))
     # layer chunks per stage (interleaved-1f1b: virtual stages per device)
     chunks: int = flag(1, given=True, commands=TRAIN_COMPILE, help={
         "train": "layer chunks per stage (interleaved-1f1b: virtual stages per device, >= 2; default 1)",

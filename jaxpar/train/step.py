@@ -163,7 +163,8 @@ class Trainer:
             if plan.pipeline is not None:  # the schedule runs the micro-batches through the stages
                 stacked, edge = plan.pipeline.split(varying)
                 loss, stacked_grads, edge_grads = pipeline_lib.stage_grads(
-                    plan.program, plan.pipeline.pieces, stacked, edge, micro, chunks=cfg.chunks, loss_scale=1.0 / shards)
+                    plan.program, plan.pipeline.pieces, stacked, edge, micro, chunks=cfg.chunks, loss_scale=1.0 / shards,
+                    link=(cfg.stage_link_mbps, cfg.stage_link_latency_ms))
                 acc = plan.pipeline.merge(stacked_grads, edge_grads)
                 losses = loss[None]
             else:

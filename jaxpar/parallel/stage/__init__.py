@@ -10,7 +10,7 @@ FSDP gathers the stage's layers a second time.
 
 import math
 
-from jaxpar.errors import LayoutError
+from jaxpar.errors import LayoutError, SpecError
 from jaxpar.parallel import data
 from jaxpar.parallel.subspace import SUBSPACE
 
@@ -28,11 +28,17 @@ def ignores(strategy) -> dict[str, str]:
     if strategy.degrees["stage"] > 1:
         return {}
     why = f"strategy {strategy} has no stage axis, so no pipeline runs; drop it or add stage=N to --strategy"
-    return {"schedule": why, "chunks": why}
+    return {"schedule": why, "chunks": why, "stage_link_mbps": why, "stage_link_latency_ms": why}
 
 
 def manual_only(layout, calls) -> str | None:
     return "a pipeline (stage > 1)" if layout.role(STAGES) else None
+
+
+def check_run(planned, cfg) -> None:
+    for name, value in (("--stage-link-mbps", cfg.stage_link_mbps), ("--stage-link-latency-ms", cfg.stage_link_latency_ms)):
+        if not value >= 0:
+            raise SpecError(f"{name} {value}: give a speed or a latency of 0 or more (0: the links as they are)")
 
 
 def check(strategy):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import io_callback
 from jax.sharding import PartitionSpec
 
 from flax import nnx
@@ -461,10 +463,11 @@ def _typed_branches(raw_branches, carry, example_row):
         carry = widened
 
 
-def _tick_fn(branches, here, axis: str, program: Program):
+def _tick_fn(branches, here, axis: str, program: Program, wait_s: float = 0.0):
     """The scan's body: this device runs its action of the tick, then a ``ppermute`` each way from
     the stages that carry a micro-batch (the tick's send sets; none on ticks nothing crosses) moves
-    the outputs and input gradients, which land in the slots the table names for them."""
+    the outputs and input gradients, which land in the slots the table names for them. With
+    ``wait_s``, a tick that sends waits that long for real (``_wait``: slow links simulated)."""
     forward = _senders(axis, program.forward_sends, program.forward_send)
     backward = _senders(axis, program.backward_sends, program.backward_send)
 
@@ -473,6 +476,9 @@ def _tick_fn(branches, here, axis: str, program: Program):
         carry, send_fwd, send_bwd = jax.lax.switch(row["kind"], branches, carry, row)
         arrived = jax.lax.switch(row["forward_send"], forward, send_fwd)
         returned = jax.lax.switch(row["backward_send"], backward, send_bwd)
+        if wait_s:  # (both ways at once: a link sends each way on its own)
+            sends = (row["forward_send"] > 0) | (row["backward_send"] > 0)
+            arrived, returned = _wait((arrived, returned), jnp.where(sends, wait_s, 0.0))
         carry["acts"] = _put(carry["acts"], row["recv_act"], vary_over(arrived, varying_axes(carry["acts"])))
         carry["cots"] = _put(carry["cots"], row["recv_cot"], vary_over(returned, varying_axes(carry["cots"])))
         return carry, None
@@ -480,8 +486,27 @@ def _tick_fn(branches, here, axis: str, program: Program):
     return tick
 
 
+def _wait(values, seconds):
+    """``values`` once ``seconds`` have passed on the host (a callback that sleeps; every device's
+    runs at once), so that what reads them waits too: a slow link, for real."""
+    def sleep(seconds):
+        time.sleep(float(seconds))
+        return np.zeros((), np.float32)
+
+    done = io_callback(sleep, jax.ShapeDtypeStruct((), jnp.float32), seconds)  # (a side effect: never dropped)
+    return jax.lax.optimization_barrier((values, done))[0]  # (the values themselves, once the wait is done)
+
+
+def link_wait_seconds(flow, link) -> float:
+    """Seconds one send of ``flow`` (the abstract value a stage sends) takes on ``link`` =
+    (megabits per second, milliseconds of latency); 0 where neither is set."""
+    mbps, latency_ms = link or (0.0, 0.0)
+    sent = flow.size * jnp.dtype(flow.dtype).itemsize
+    return latency_ms / 1e3 + (sent * 8 / (mbps * 1e6) if mbps else 0.0)
+
+
 def run_schedule(program: Program, model: PipelineModel, stage_params, edge_params, batch, *,
-                 loss_scale=1.0, optimizer=None, axis: str = STAGE_AXIS):
+                 loss_scale=1.0, optimizer=None, axis: str = STAGE_AXIS, link=None):
     """Run a lowered schedule on this device (call inside ``shard_map`` with ``axis`` manual).
 
     ``stage_params``: this device's chunks, leaves shaped (v, k, ...); ``edge_params``: whole;
@@ -496,7 +521,10 @@ def run_schedule(program: Program, model: PipelineModel, stage_params, edge_para
     Asynchronous (PipeDream, an optax ``optimizer``): every backward steps this device's
     weights at once, computed at the weights its forward used (stashed per micro-batch). Returns
     (loss per micro-batch (m,) [last stage only], updated ``stage_params``, this device's updated
-    copy of ``edge_params``, the update count (weight version) each micro-batch's forward used)."""
+    copy of ``edge_params``, the update count (weight version) each micro-batch's forward used).
+
+    ``link``: (megabits per second, milliseconds) the sends between stages are slowed to, for real
+    (``_wait``), to compare wall clocks over links slower than this machine's."""
     here = jax.lax.axis_index(axis)
     flow, flows = _check_pieces(model, stage_params, edge_params, batch, axis)
     actions = _Actions(model, stage_params, edge_params, batch, flow, loss_scale, optimizer)
@@ -505,7 +533,7 @@ def run_schedule(program: Program, model: PipelineModel, stage_params, edge_para
     table = {name: jnp.asarray(col) for name, col in program.columns().items()}
     example_row = {name: _at(col[0], here) for name, col in table.items()}  # to trace the branches' types
     branches, carry = _typed_branches([actions.branch(kind) for kind in (IDLE, FORWARD, BACKWARD)], carry, example_row)
-    carry, _ = jax.lax.scan(_tick_fn(branches, here, axis, program), carry, table)
+    carry, _ = jax.lax.scan(_tick_fn(branches, here, axis, program, link_wait_seconds(flow, link)), carry, table)
     if actions.asynchronous:
         return carry["losses"], carry["params"], carry["edge"], carry["versions"]
     return carry["loss"], carry["grads"], carry["edge_grads"]
@@ -582,14 +610,14 @@ def pipeline_value_and_grad(stage_fn, stage_params, batch, mesh, schedule: Sched
 
 
 def stage_grads(program: Program, model: PipelineModel, stacked, edge, batch, *, chunks: int, loss_scale,
-                axis: str = STAGE_AXIS):
+                axis: str = STAGE_AXIS, link=None):
     """Per device, inside a ``shard_map`` where ``axis`` is manual (``Trainer``'s step calls this in
     place of its micro-batch loop): (loss summed over the stages, gradients of this device's
     stacked weights laid out like its stored shard (v*k, ...), edge gradients summed over the
     stages). ``stacked``: this device's shard in stage order (``to_stage_order``)."""
     edge = jax.tree.map(lambda e: vary_over(e, {axis}), edge)  # local gradients: summed here, once
     loss, grads, edge_grads = run_schedule(program, model, _chunked(stacked, chunks), edge, batch, loss_scale=loss_scale,
-                                           axis=axis)
+                                           axis=axis, link=link)
     return jax.lax.psum(loss, axis), _unchunked(grads), jax.lax.psum(edge_grads, axis)
 
 
