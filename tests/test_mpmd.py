@@ -4,6 +4,8 @@ Oracle: the same model on one device without a pipeline (fp32), as in test_pipel
 between stages is checked against the reshard plans' byte counts, which test_reshard.py checks
 against the compiled HLO.
 """
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -15,6 +17,7 @@ from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.parallel.stage import mpmd
 from jaxpar.parallel.stage import pipeline as pl
 from jaxpar.parallel.stage import schedules as sc
+from jaxpar.rules import use_layout
 from tests.test_pipeline import (BATCH, WIDTH, adamw_step, assert_close, llama_oracle, mlp_batch, mlp_first,  # noqa: F401 (tiny_llama: a fixture)
                                  mlp_last, mlp_oracle, mlp_params, mlp_stage, tiny_llama)
 
@@ -84,6 +87,29 @@ def test_llama_matches_one_device(tiny_llama_pieces, name, specs, m, chunks):
     assert_close(split.merge(*pipe.to_layer_order(updated)), adamw_step(params, expected_grads), "AdamW step")
     first, last = (jax.tree.map(np.asarray, updated.edge[s]) for s in pipe.edge_holders)
     assert all(np.array_equal(first[key], last[key]) for key in first), "the edge weight copies drifted apart"
+
+
+def test_llama_with_subspace_boundaries_matches_one_device(tiny_llama_pieces):
+    """subspace=16 over tensor=4 | data=2,tensor=2: the stages send 16 of the Llama's 128 values a position,
+    every stage rebuilds the stream from its own copy of the edge weights, and loss and gradients
+    equal the same model on one device (its writes projected alike: ``Layout.settings``)."""
+    cfg, graphdef, params, split = tiny_llama_pieces
+    m, k = 2, 16
+    tokens = np.asarray(jax.random.randint(jax.random.key(2), (m, 4, 17), 0, cfg.vocab_size))
+    pipe = _pipeline(split.pieces, ["tensor=4", "data=2,tensor=2"], "1f1b", m, names=split.names,
+                     activation_names=llama.RESIDUAL, subspace=k)
+    weights = pipe.place(*split.split(params))
+    loss, grads = pipe.value_and_grad(weights, tokens)
+    one = build_layout(parse_strategy("data=1", 1), jax.devices()[:1])
+    with use_layout(dataclasses.replace(one, settings={"subspace": k})):
+        expected_loss, expected_grads = llama_oracle(graphdef, params, tokens)
+    assert_close(loss, expected_loss, "loss")
+    assert_close(split.merge(*pipe.to_layer_order(grads)), expected_grads, "grads")
+    assert abs(float(loss) - float(llama_oracle(graphdef, params, tokens)[0])) > 1e-4  # (not the dense model)
+    assert pipe.traffic.forward_bytes == m * 4 * 16 * k * 4  # one micro-batch's coordinates, float32, once
+    assert pipe.edge_holders == [0, 1]
+    first, second = (jax.tree.map(np.asarray, grads.edge[s]) for s in pipe.edge_holders)
+    assert all(np.array_equal(first[key], second[key]) for key in first)
 
 
 @pytest.mark.parametrize("broadcast", [True, False])

@@ -26,6 +26,10 @@ stage. Per action:
 Edge weights (``first_fn``'s and ``last_fn``'s, e.g. embedding and head) live on the stage of the
 first virtual stage and on the stage of the last; their gradients are summed over both (the last
 stage's moved to the first's devices) and each copy takes the same update, so they stay equal.
+
+With ``subspace=k`` (``parallel/subspace``) the stages send the residual stream's k coordinates:
+every stage then computes the embedding again and holds a copy of the edge weights, whose
+gradients are summed over all of them.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.collectives.reshard import compile_reshard
 from jaxpar.errors import LayoutError
 from jaxpar.parallel import OPTIONS, build_layout, parse_strategy
+from jaxpar.parallel.subspace import SUBSPACE
+from jaxpar.parallel.subspace.codec import SubspacePieces
 from jaxpar.parallel.stage.pipeline import PipelineModel, check_microbatches, layers_per_chunk, stacked_layers, sum_over_batch
 from jaxpar.parallel.stage.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
 from jaxpar.rules import Layout, use_layout, vary_over
@@ -128,10 +134,12 @@ class MPMDPipeline:
     ``names``: (logical names of the stacked weights, of the edge weights), shaped like them (a
     ``pipeline.SplitModel`` has them); ``activation_names``: logical names of what flows between
     stages (the Llama's residual stream: ``llama.RESIDUAL``); ``batch_names``: of each batch leaf
-    (default: batch on dim 0)."""
+    (default: batch on dim 0). ``subspace``: k, the residual stream's coordinates the stages send
+    (``parallel/subspace``: every write the model marks with ``nn.residual_add`` projected onto a
+    fixed k-dimensional subspace, on every stage), 0 for the stream itself."""
 
     def __init__(self, model: PipelineModel, layouts: Sequence[Layout], schedule: Schedule, *, names,
-                 activation_names, batch_names=None, broadcast: bool = True):
+                 activation_names, batch_names=None, broadcast: bool = True, subspace: int = 0):
         if schedule.asynchronous:
             raise ScheduleError("pipedream updates weights as it goes; run it with pipeline.pipedream_train")
         if len(layouts) != schedule.stages:
@@ -143,11 +151,15 @@ class MPMDPipeline:
             raise LayoutError(f"stage layout {split[0]} splits the sequence (context > 1), which MPMD pipelines do not do yet; "
                               f"use context parallelism in an SPMD pipeline (Trainer with stage=N, context_algorithm=all-to-all)")
         schedule.validate()
+        if subspace:  # each stage's layout projects the writes; the pieces send coordinates
+            layouts = [dataclasses.replace(layout, settings={**layout.settings, SUBSPACE: subspace}) for layout in layouts]
+            model = SubspacePieces(model, subspace)
         self.model, self.layouts, self.schedule = model, list(layouts), schedule
         self.stage_names, self.edge_names = names
         self.activation_names, self.batch_names, self.broadcast = tuple(activation_names), batch_names, broadcast
         S, V = schedule.stages, schedule.virtual_stages
-        self.edge_holders = sorted({0, (V - 1) % S})
+        # the stages that read the edge weights: the first and the last, or every one
+        self.edge_holders = list(range(S)) if model.reads_edge_everywhere else sorted({0, (V - 1) % S})
         self._programs: dict[tuple, Any] = {}
         self.traffic: Traffic | None = None  # of the last value_and_grad
 
@@ -202,7 +214,7 @@ class MPMDPipeline:
             return self._programs[key]
         layout, model = self.layouts[s], self.model
         stage_spec, edge_spec, act_spec = self._specs(s)
-        uses_edge = first or last
+        uses_edge = first or last or model.reads_edge_everywhere
         edge_spec = edge_spec if uses_edge else {}
         x_spec = () if first else act_spec
         batch_spec = self._batch_specs(s, batch)
@@ -287,18 +299,19 @@ class MPMDPipeline:
                 first, last = k == 0, k == V - 1
                 if kind == FORWARD and last:  # the last virtual stage's forward runs inside its backward
                     continue
-                edge = weights.edge[s] if first or last else {}
+                uses_edge = first or last or self.model.reads_edge_everywhere
+                edge = weights.edge[s] if uses_edge else {}
                 x = () if first else inputs[(i, k)]
                 program = self._program(s, first, last, kind, microbatch(i, s))
                 if kind == FORWARD:
                     y = program(weights.chunks[s][j], edge, x, microbatch(i, s))
                     inputs[(i, k + 1)] = self._move(y, (k + 1) % S, sent[FORWARD])
                     continue
-                acc_edge = grads.edge[s] if first or last else {}
+                acc_edge = grads.edge[s] if uses_edge else {}
                 g = () if last else cotangents.pop((i, k))
                 loss, grads.chunks[s][j], acc_edge, g_x = program(
                     weights.chunks[s][j], edge, x, microbatch(i, s), g, grads.chunks[s][j], acc_edge)
-                if first or last:
+                if uses_edge:
                     grads.edge[s] = acc_edge
                 inputs.pop((i, k), None)
                 if last:
@@ -312,16 +325,17 @@ class MPMDPipeline:
         return sum(losses), grads
 
     def _sum_edge_grads(self, grads: StageWeights) -> None:
-        """Both edge copies' gradients become their sum: the second holder's is resharded to the
-        first's devices, added there, and the sum resharded back."""
-        if len(self.edge_holders) == 1:
-            return
-        a, b = self.edge_holders
-        total = jax.tree.map(lambda n, x, y: x + self._reshard_param(y, a, n), self.edge_names, grads.edge[a],
-                             grads.edge[b], is_leaf=_is_names)
+        """Every edge copy's gradients become their sum: the other holders' are resharded to the
+        first holder's devices, added there, and the sum resharded back."""
+        a, *others = self.edge_holders
+        total = grads.edge[a]
+        for b in others:
+            total = jax.tree.map(lambda n, x, y: x + self._reshard_param(y, a, n), self.edge_names, total, grads.edge[b],
+                                 is_leaf=_is_names)
         grads.edge[a] = total
-        grads.edge[b] = jax.tree.map(lambda n, x: self._reshard_param(x, b, n), self.edge_names, total,
-                                     is_leaf=_is_names)
+        for b in others:
+            grads.edge[b] = jax.tree.map(lambda n, x: self._reshard_param(x, b, n), self.edge_names, total,
+                                         is_leaf=_is_names)
 
     def _reshard_param(self, x, s: int, names):
         """A weight-shaped array moved to stage s's stored layout of the weight ``names``."""
