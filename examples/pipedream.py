@@ -24,6 +24,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxpar.models import llama  # noqa: E402
+from jaxpar.analysis import overlap  # noqa: E402
 from jaxpar.parallel.stage import pipeline, schedules  # noqa: E402
 from jaxpar.train.state import abstract_model  # noqa: E402
 
@@ -48,7 +49,7 @@ schedule = schedules.pipedream(stages, m)
 print(f"PipeDream, {stages} stages, a stream of {m} micro-batches; per stage:")
 print(f"{'stage':>5} {'in flight':>9} {'staleness':>9} {'updates of all stages between F and B':>38}")
 staleness = schedules.staleness(schedule)
-for s, (flight, stale, delay) in enumerate(zip(schedule.peak_in_flight(), staleness, schedules.global_delay(schedule))):
+for s, (flight, stale, delay) in enumerate(zip(schedule.peak_in_flight(), staleness, overlap.update_delays(schedule))):
     print(f"{s:>5} {flight:>9} {stale:>9} {delay:>38}")
 if staleness != tuple(stages - s - 1 for s in range(stages)):
     sys.exit(f"staleness {staleness} per stage; PipeDream's is S-s-1 = {tuple(stages - s - 1 for s in range(stages))}")

@@ -40,24 +40,42 @@ def schedule_seconds(schedule: Schedule, forward_s: float, backward_s: float, se
     a backward ``backward_s`` and a send between stages ``send_s`` (``lockstep``: the SPMD
     executor's ticks, see the module doc)."""
     kind = schedule.kind
-    seconds = np.where(kind == FORWARD, forward_s, np.where(kind == BACKWARD, backward_s, 0.0))
-    S, V = schedule.stages, schedule.virtual_stages
     if lockstep:
+        seconds = np.where(kind == FORWARD, forward_s, np.where(kind == BACKWARD, backward_s, 0.0))
+        S, V = schedule.stages, schedule.virtual_stages
         k = schedule.chunk * S + np.arange(S)
         sends = ((kind == FORWARD) & (k < V - 1)) | ((kind == BACKWARD) & (k > 0))  # what a neighbour reads
         return float(seconds.max(axis=1).sum() + send_s * sends.any(axis=1).sum())
-    done_f = np.zeros((schedule.microbatches, V))
-    done_b = np.zeros((schedule.microbatches, V))
+    return float(max(times.max() for times in action_times(schedule, forward_s, backward_s, send_s)))
+
+
+def action_times(schedule: Schedule, forward_s: float, backward_s: float, send_s: float = 0.0) -> tuple:
+    """When each action starts and ends, every device starting its next action (in the schedule's
+    program order) once it is free and its input has arrived: (forward starts, forward ends,
+    backward starts, backward ends), each (microbatches, virtual stages)."""
+    kind, S, V = schedule.kind, schedule.stages, schedule.virtual_stages
+    start_f, end_f, start_b, end_b = (np.zeros((schedule.microbatches, V)) for _ in range(4))
     free = np.zeros(S)  # when each device finishes its last action
     for t, s in zip(*np.nonzero(kind != IDLE)):  # tick order: every input is placed before its reader
         i, k = schedule.microbatch[t, s], schedule.chunk[t, s] * S + s
         if kind[t, s] == FORWARD:
-            ready = done_f[i, k - 1] + send_s if k > 0 else 0.0
-            done_f[i, k] = free[s] = max(free[s], ready) + forward_s
+            start_f[i, k] = max(free[s], end_f[i, k - 1] + send_s if k > 0 else 0.0)
+            end_f[i, k] = free[s] = start_f[i, k] + forward_s
         else:
-            ready = max(done_f[i, k], done_b[i, k + 1] + send_s if k < V - 1 else 0.0)
-            done_b[i, k] = free[s] = max(free[s], ready) + backward_s
-    return float(free.max())
+            start_b[i, k] = max(free[s], end_f[i, k], end_b[i, k + 1] + send_s if k < V - 1 else 0.0)
+            end_b[i, k] = free[s] = start_b[i, k] + backward_s
+    return start_f, end_f, start_b, end_b
+
+
+def update_delays(schedule: Schedule, forward_s: float = 1.0, backward_s: float = 1.0) -> tuple[float, ...]:
+    """Per stage (one chunk each), the median over the stream of the weight updates of all stages
+    (each backward's end) after a micro-batch's forward starts reading the stage's weights and
+    before its backward there updates them, every action timed (``action_times``): PipeDream's
+    delay as stale block-SGD, which arXiv 2606.03498 proves S^2 - S/2 + O(1) on stage 0."""
+    start_f, _, _, end_b = action_times(schedule, forward_s, backward_s)
+    updates = end_b.ravel()
+    return tuple(float(np.median([np.sum((updates > start_f[i, s]) & (updates < end_b[i, s]))
+                                  for i in range(schedule.microbatches)])) for s in range(schedule.stages))
 
 
 def schedule_exposed(schedule: Schedule, forward_s: float, backward_s: float, send_s: float, lockstep: bool = False) -> float:

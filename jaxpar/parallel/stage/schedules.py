@@ -302,6 +302,11 @@ def pipedream(stages: int, microbatches: int, latency: int = 1) -> Schedule:
     with no flush; each micro-batch's backward updates its stage's weights at once, and its forward
     and backward use the same (stashed) weight version. See ``weight_versions`` and ``staleness``."""
     _check_sizes("pipedream", stages, microbatches, latency=latency)
+    if microbatches < stages:
+        raise ScheduleError(
+            f"pipedream with {microbatches} micro-batches on {stages} stages: the stream never fills, so stage s never "
+            f"trains with the S-s-1 updates of staleness PipeDream has (here {stages - 1} on stage 0), and its updates "
+            f"follow no stale-SGD model; give at least microbatches={stages} (several times that keeps the fill short)")
     f, b = _simple(FORWARD, microbatches), _simple(BACKWARD, microbatches)
     orders = [_warmup_then_alternate(f, b, min(stages - s, microbatches)) for s in range(stages)]
     return _place("pipedream", stages, microbatches, 1, orders, latency, asynchronous=True)
@@ -361,17 +366,3 @@ def staleness(schedule: Schedule) -> tuple[int, ...]:
     applied_before = np.array([[np.sum(tb[:, s] < tb[i, s]) for i in range(schedule.microbatches)]
                                for s in range(schedule.stages)])
     return tuple(int(x) for x in (applied_before - versions).max(axis=1))
-
-
-def global_delay(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage, the weight updates *of all stages* that happen strictly between a micro-batch's
-    forward on the stage and its backward there (a stale block-SGD view of PipeDream counts delay
-    in this global sequence of block updates). The median over the stream, which for a stream much
-    longer than S is the steady state: S(S-1) on stage 0 under this tick model (S^2 counting the
-    updates in the forward's and the backward's own ticks), the S^2 growth the PipeDream theory of
-    arXiv 2606.03498 states as S^2 - S/2 + O(1)."""
-    tf, tb = schedule.times()
-    updates = tb.ravel()
-    delays = [[np.sum((updates > tf[i, s]) & (updates < tb[i, s])) for i in range(schedule.microbatches)]
-              for s in range(schedule.stages)]
-    return tuple(int(np.median(d)) for d in delays)
