@@ -185,6 +185,7 @@ def test_slowed_stage_links_make_each_sending_tick_wait_and_change_nothing_else(
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-7 * np.max(np.abs(b)))
     program = trainer.plan.program
     sending = int(np.sum((program.forward_send > 0) | (program.backward_send > 0)))
-    assert sending >= 2 and min(seconds) >= 0.1 * sending > 4 * min(fast), (seconds, sending, fast)
+    # (a lower bound only: a loaded machine slows both runs, never the sleeps below their length)
+    assert sending >= 2 and min(seconds) >= 0.1 * sending, (seconds, sending, fast)
     with pytest.raises(SpecError, match=r"--stage-link-latency-ms -1.0: give a speed or a latency of 0 or more"):
         trainer_of("stage=2,data=4", stage_link_latency_ms=-1.0).init(0)
