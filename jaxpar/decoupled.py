@@ -292,7 +292,7 @@ def _train_steps(trainer: Trainer, state, start: int, stop: int, batch_at, fault
             print(f"learner {learner}: killed at step {step} (--inject-faults)", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         state, _ = trainer.step(state, batch_at(step))
-        launch.report_progress("step", step + 1)
+        launch.report_progress("done", step + 1)
         if faults.get("slow"):
             time.sleep(faults["slow"])
     jax.block_until_ready(state.params)

@@ -179,6 +179,11 @@ def initialize(args: DistributedArgs = DistributedArgs(), platform: str = "cpu",
 # --- progress reports: how the launcher tells a hung process from a busy one ---------------------
 
 
+# The phases a process reports within one step, in the order it reaches them ("evaluating" and
+# "saving" come after "done" of the same step).
+_PHASES = ("start", "done", "evaluating", "saving")
+
+
 def report_progress(phase: str, step: int, environ=os.environ):
     """Tell the launcher (if any) that this process reached ``phase`` of ``step``.
 
@@ -315,7 +320,8 @@ class _Attempt:
     def _describe_hang(self, limit: float) -> str:
         """Name the process that is behind: the others wait for it inside a collective."""
         reports = {r: self._last_progress(r)[1] for r in range(len(self.procs))}
-        position = lambda r: (reports[r]["step"], reports[r]["phase"] == "done") if reports[r] else (-1, False)  # noqa: E731
+        # furthest through the step loop last; of equals, the one silent longest is the one stuck
+        position = lambda r: (reports[r]["step"], _PHASES.index(reports[r]["phase"]), reports[r]["time"]) if reports[r] else (-1, 0, 0.0)  # noqa: E731
         behind = min(reports, key=position)
         where = reports[behind]
         state = f"last reported {where['phase']} of step {where['step']}" if where else "never reported progress"

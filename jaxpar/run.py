@@ -716,6 +716,7 @@ def _train_steps(run: RunConfig, trainer: Trainer, compiled, state, start: int, 
             if figures:
                 figures(done, loss, grad_norm, steps.times[-1], held_out)
             if ckpt and (ckpt.should_save(done, run.steps) or stop.name):
+                report_progress("saving", done)  # a save under load can outlast a short --hang-timeout
                 began = time.perf_counter()
                 so_far = {"losses": list(steps.losses), "grad_norms": list(steps.grad_norms), "step_times_s": list(steps.times),
                           "held_out": list(steps.held_out)}  # copies: saving goes on behind

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pyarrow as pa
@@ -163,15 +164,17 @@ def test_killed_process_is_noticed_and_the_job_restarts_to_the_same_parameters(t
 
 @pytest.mark.slow
 def test_hung_process_is_named_and_the_job_stopped(tmp_path):
+    # process 1 hangs reading step 2's batch: between "done" of step 1 and "start" of step 2 no
+    # checkpoint is saved (every 2 steps), so nothing but the hang can hold a process past 5 s
     job = Job(["--processes", "2", "--devices-per-process", "4", "--hang-timeout", "5"],
-              [sys.executable, os.path.join(JOBS, "hang_in_data.py"), "3", *TRAIN[1:], "--checkpoint-dir", str(tmp_path / "ckpt")],
+              [sys.executable, os.path.join(JOBS, "hang_in_data.py"), "2", *TRAIN[1:], "--checkpoint-dir", str(tmp_path / "ckpt")],
               tmp_path / "status")
-    job.wait_for_step(0, 3)
+    job.wait_for_step(0, 2)
     stuck_at = time.time()
     assert job.wait() == 1  # a failed job
     out = job.output()
     pid = job.progress(1)["pid"]
-    assert f"process 1 (pid {pid}) looks hung (last reported done of step 2); the others wait for it" in out
+    assert f"process 1 (pid {pid}) looks hung (last reported done of step 1); the others wait for it" in out
     assert "no restarts left" in out
     noticed = job.first("looks hung") - stuck_at
     print(f"launcher named the hung process {noticed:.1f} s after the others blocked (--hang-timeout 5)")
@@ -296,3 +299,21 @@ def test_a_two_process_job_on_your_data_reads_each_token_once_an_epoch_and_resum
     np.testing.assert_allclose(moved["losses"], losses, rtol=1e-5)
     again, _ = resume(tmp_path / "moved", 4, tmp_path / "again")
     assert again["start_step"] == 4 and again["losses"][4:] == moved["losses"][4:]
+
+
+def test_the_process_named_hung_is_the_one_furthest_behind(tmp_path):
+    # the launcher's choice on the reports alone (no processes): step, then phase within the step
+    # (a save comes after "done"), then, of equals, the one silent longest
+    attempt = object.__new__(launch._Attempt)
+    attempt.status_dir, attempt.started = str(tmp_path), 0.0
+    attempt.procs = [types.SimpleNamespace(pid=100 + r) for r in range(3)]
+
+    def named(*reports):
+        for rank, (phase, step, at) in enumerate(reports):
+            (tmp_path / f"process-{rank}.json").write_text(json.dumps({"phase": phase, "step": step, "pid": 100 + rank, "time": at}))
+        return int(re.search(r"process (\d+) \(pid", attempt._describe_hang(5.0)).group(1))
+
+    assert named(("start", 3, 9.0), ("saving", 2, 8.0), ("start", 3, 7.0)) == 1
+    assert named(("saving", 2, 9.0), ("done", 2, 8.0), ("start", 3, 7.0)) == 1
+    assert named(("done", 2, 9.0), ("done", 2, 8.0), ("done", 2, 8.5)) == 1
+    assert named(("evaluating", 6, 9.0), ("done", 6, 9.5), ("saving", 6, 8.0)) == 1
