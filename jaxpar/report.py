@@ -87,7 +87,7 @@ def format_summary(report: dict) -> str:
         lines.append(f"  (none: the checkpoint is already at step {first} of {report['steps']})")
     if report.get("nonfinite"):
         bad = report["nonfinite"]
-        lines.append(nonfinite_message(bad["step"], bad["loss"], bad["grad_norm"]))
+        lines.append(nonfinite_message(bad["step"], bad["loss"], bad["grad_norm"], bad.get("cause")))
     sync = report.get("grad_sync") or {"name": "exact"}
     if sync["name"] != "exact":
         bits = f", {sync['bits']} bits" if sync["bits"] is not None else ""

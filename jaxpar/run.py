@@ -701,9 +701,10 @@ def _train_steps(run: RunConfig, trainer: Trainer, compiled, state, start: int, 
             if not (np.isfinite(loss) and np.isfinite(grad_norm)):  # the step left the state as it was
                 steps.skipped.append(done)
                 if steps.nonfinite is None:
-                    steps.nonfinite = {"step": done, "loss": loss, "grad_norm": grad_norm}
+                    steps.nonfinite = {"step": done, "loss": loss, "grad_norm": grad_norm,
+                                       "cause": parallel.nonfinite_cause(trainer.layout)}
                     if progress:
-                        print(nonfinite_message(done, loss, grad_norm), file=progress, flush=True)  # at once: the summary comes only at the end
+                        print(nonfinite_message(**steps.nonfinite), file=progress, flush=True)  # at once: the summary comes only at the end
                 if trainer.cfg.nonfinite == "stop":
                     break  # the report says where and why; the CLI exits 1
             report_progress("done", done)

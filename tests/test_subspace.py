@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxpar.errors import LayoutError, SpecError
+from jaxpar.errors import LayoutError, NonFiniteStep, SpecError
 from jaxpar.nn import residual_add
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.parallel import subspace
@@ -42,6 +42,8 @@ class Block(nnx.Module):
 
     def __call__(self, x, marked=True):
         y = self.down(jax.nn.gelu(self.up(self.norm(x))))
+        if marked == "partly":  # one write marked, a second (a tenth of it) added with a plain +
+            return residual_add(x, y, (), STREAM)[0] + 0.1 * y
         return residual_add(x, y, (), STREAM)[0] if marked else x + y
 
 
@@ -171,6 +173,25 @@ def test_bad_input_is_refused_in_words():
         trainer = trainer_of(f"stage=2,data=4,subspace={K}", marked=False)
         state = trainer.init(0)
         trainer.step(state, trainer.put_batch(BATCHES[0]))
+
+
+def test_a_write_not_marked_stops_the_first_step_in_words():
+    """A model that marks one of its writes and adds another with a plain +: the stage boundary
+    would drop the second's part outside the subspace, which its one-device twin keeps. The step is
+    made non-finite (not applied) and the message names the cause; the same model marked
+    throughout trains in bfloat16 with every step finite (the check allows the stream's rounding)."""
+    trainer = trainer_of(f"stage=2,data=4,subspace={K}", marked="partly")
+    state = trainer.init(0)
+    with pytest.raises(NonFiniteStep, match=r"Under subspace=8 a stage whose output leaves the subspace .* "
+                                            r"jaxpar.nn.residual_add") as stopped:
+        trainer.step(state, trainer.put_batch(BATCHES[0]))
+    for a, b in zip(jax.tree.leaves(stopped.value.state.params), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(a, b)  # not applied
+    trainer = trainer_of(f"stage=2,data=4,subspace={K}", compute_dtype="bfloat16")
+    state = trainer.init(0)
+    for batch in BATCHES:
+        state, metrics = trainer.step(state, trainer.put_batch(batch))
+        assert bool(metrics["finite"]), metrics
 
 
 def test_slowed_stage_links_make_each_sending_tick_wait_and_change_nothing_else():

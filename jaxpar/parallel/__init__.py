@@ -224,6 +224,11 @@ def token_places(layout: Layout, length: int):
     return next((at for module in STRATEGIES if (at := module.places(layout, length)) is not None), None)
 
 
+def nonfinite_cause(layout: Layout) -> str | None:
+    """What besides the numbers makes a step of ``layout`` non-finite, in words (None: nothing)."""
+    return next((why for module in STRATEGIES if (why := module.nonfinite_cause(layout))), None)
+
+
 def comparable(layout: Layout) -> str | None:
     """Why one device is not ``layout``'s oracle, in words (None: it is)."""
     return next((why for module in STRATEGIES if (why := module.comparable(layout))), None)

@@ -208,6 +208,10 @@ def pipeline_pieces(layout, pieces):
     return pieces
 
 
+def nonfinite_cause(layout) -> str | None:
+    return None
+
+
 def report(layout, measured, cfg) -> dict | None:
     return None
 

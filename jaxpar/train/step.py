@@ -30,7 +30,7 @@ from flax.traverse_util import flatten_dict as flatten
 from flax.traverse_util import unflatten_dict as nest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar import attention
+from jaxpar import attention, parallel
 from jaxpar.errors import JaxparError, LayoutError, NonFiniteStep
 from jaxpar.parallel import STRATEGIES
 from jaxpar.parallel.stage import pipeline as pipeline_lib
@@ -367,7 +367,8 @@ class Trainer:
         state, metrics = self._step(state, batch)
         if self.cfg.nonfinite == "stop" and not bool(metrics["finite"]):
             number = int(state.step)  # the step just taken, counted from 1 as the training loop does
-            raise NonFiniteStep(nonfinite_message(number, float(metrics["loss"]), float(metrics["grad_norm"])),
+            raise NonFiniteStep(nonfinite_message(number, float(metrics["loss"]), float(metrics["grad_norm"]),
+                                                  parallel.nonfinite_cause(self.layout)),
                                 number, state, metrics)
         return state, metrics
 
@@ -378,11 +379,12 @@ class Trainer:
         return check_lib.check_trainer(self, batch, tolerance, seed)
 
 
-def nonfinite_message(step: int, loss: float, grad_norm: float) -> str:
+def nonfinite_message(step: int, loss: float, grad_norm: float, cause: str | None = None) -> str:
+    """The words for a non-finite step; ``cause``: the layout's own (``parallel.nonfinite_cause``)."""
     what = "gradient" if not np.isfinite(grad_norm) else "loss"
     return (f"non-finite {what} at step {step} (loss {loss:.4g}, gradient norm {grad_norm:.4g}); the step's update "
             f"was not applied. Lower the learning rate, check the batch, or skip such steps (TrainConfig(nonfinite='skip'), "
-            f"jaxpar train --skip-nonfinite)")
+            f"jaxpar train --skip-nonfinite)" + (f". {cause}" if cause else ""))
 
 
 @contextlib.contextmanager

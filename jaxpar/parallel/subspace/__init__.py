@@ -54,6 +54,15 @@ def check_calls(layout, calls):
             f"jaxpar.nn.residual_add (as jaxpar.models.llama does), or drop subspace={k}")
 
 
+def nonfinite_cause(layout) -> str | None:
+    k = layout.settings.get(SUBSPACE, 0)
+    if not k:
+        return None
+    return (f"Under subspace={k} a stage whose output leaves the subspace makes the step non-finite on purpose: every "
+            f"write to the residual stream must be made with jaxpar.nn.residual_add (a write added with a plain + is "
+            f"not projected, and the stage boundary would drop it); if the first step is non-finite, look for one")
+
+
 def pipeline_pieces(layout, pieces):
     k = layout.settings.get(SUBSPACE, 0)
     return SubspacePieces(pieces, k) if k else pieces

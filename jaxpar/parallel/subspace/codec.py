@@ -50,6 +50,28 @@ def encode(x, x0, k: int):
     return ((x.astype(jnp.float32) - x0.astype(jnp.float32)) @ jnp.asarray(basis(x.shape[-1], k))).astype(x.dtype)
 
 
+# A stage's output may leave x0 + span(U) by its rounding (each write rounded to the stream's
+# dtype: about eps times the stream per write) and by no more than this share of the change.
+STRAY_SHARE = 1e-3
+ROUNDING_ALLOWANCE = 64
+
+
+def checked_encode(y, x0, k: int):
+    """``encode(y, x0, k)``, made NaN when ``y - x0`` has more outside span(U) than rounding makes:
+    a write to the stream the model did not mark with ``residual_add`` (not projected) would be
+    dropped at the boundary, and the pipeline would train another function than its one-device
+    twin, which keeps it. The step is then non-finite (not applied) and the message says why
+    (``nonfinite_cause``). Its cost: two sums of squares (||v||^2 - ||U^T v||^2 is the part
+    outside, U's columns orthonormal); a step inside the subspace is bitwise unchanged."""
+    v = y.astype(jnp.float32) - x0.astype(jnp.float32)
+    c = v @ jnp.asarray(basis(y.shape[-1], k))
+    change = jnp.sum(v * v)
+    outside = change - jnp.sum(c * c)
+    rounding = ROUNDING_ALLOWANCE * float(jnp.finfo(y.dtype).eps) ** 2 * jnp.sum(jnp.square(y.astype(jnp.float32)))
+    poison = jax.lax.stop_gradient(jnp.where(outside > STRAY_SHARE * change + rounding, jnp.nan, 0.0))
+    return (c + poison).astype(y.dtype)
+
+
 def decode(c, x0, k: int):
     """The stream back from its coordinates, in ``x0``'s dtype: x0 + U c."""
     u = jnp.asarray(basis(x0.shape[-1], k))
@@ -74,7 +96,7 @@ class SubspacePieces:
 
     def stage(self, edge, chunk, c, batch):
         x0 = self.pieces.first(edge, chunk, batch)
-        return encode(self.pieces.stage(edge, chunk, decode(c, x0, self.k), batch), x0, self.k)
+        return checked_encode(self.pieces.stage(edge, chunk, decode(c, x0, self.k), batch), x0, self.k)
 
     def last(self, edge, chunk, c, batch):
         x0 = self.pieces.first(edge, chunk, batch)
