@@ -7,12 +7,15 @@ against the compiled HLO.
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from jaxpar.errors import LayoutError
 from jaxpar.models import llama
+from jaxpar.nn import residual_add
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.parallel.stage import mpmd
 from jaxpar.parallel.stage import pipeline as pl
@@ -160,3 +163,112 @@ def test_bad_stage_layouts_are_refused_in_words():
                           activation_names=("batch", None)).place(stacked, edge)
     with pytest.raises(sc.ScheduleError, match=r"split into the schedule's 4 micro-batches"):
         pipe.value_and_grad(pipe.place(stacked, edge), mlp_batch(8))
+
+
+# --- a pipeline of different modules: a vision encoder and a language model --------------------
+# written as a plain Flax user writes them; the LM's one jaxpar call marks its two writes to the
+# residual stream (their sums over tensor: the MLP's hidden units and the heads are split there)
+
+PATCHES, PATCH_DIM, ENC, DEC, HEADS, VOCAB, TEXT = 4, 12, 24, 32, 4, 40, 8
+STREAM = ("batch", None, "embed")  # (positions not split: the image's and the text's together)
+_init = nnx.initializers.normal(0.1)
+_part = nnx.with_partitioning
+
+
+class VisionEncoder(nnx.Module):
+    def __init__(self, rngs):
+        self.patch = nnx.Linear(PATCH_DIM, ENC, kernel_init=_part(_init, (None, "embed")), rngs=rngs)
+        self.up = nnx.Linear(ENC, 2 * ENC, kernel_init=_part(_init, ("embed", "mlp")), rngs=rngs)
+        self.down = nnx.Linear(2 * ENC, ENC, kernel_init=_part(_init, ("mlp", "embed")), rngs=rngs)
+        self.norm = nnx.LayerNorm(ENC, scale_init=_part(nnx.initializers.ones, ("embed",)),
+                                  bias_init=_part(nnx.initializers.zeros, ("embed",)), rngs=rngs)
+
+    def __call__(self, patches):
+        x = self.patch(patches)
+        return self.norm(x + self.down(jax.nn.gelu(self.up(x))))
+
+
+class CaptionLM(nnx.Module):
+    def __init__(self, rngs):
+        self.bridge = nnx.Linear(ENC, DEC, kernel_init=_part(_init, (None, "embed")), rngs=rngs)
+        # (whole on every device: nnx.Embed's own lookup reads the table whole; jaxpar.nn.embed_lookup
+        # reads one split by vocab)
+        self.embed = nnx.Embed(VOCAB, DEC, embedding_init=_part(_init, (None, "embed")), rngs=rngs)
+        self.q, self.k, self.v = (nnx.Linear(DEC, DEC, kernel_init=_part(_init, ("embed", "heads")), use_bias=False, rngs=rngs)
+                                  for _ in range(3))
+        self.out = nnx.Linear(DEC, DEC, kernel_init=_part(_init, ("heads", "embed")), use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(DEC, 2 * DEC, kernel_init=_part(_init, ("embed", "mlp")),
+                             bias_init=_part(nnx.initializers.zeros, ("mlp",)), rngs=rngs)
+        self.down = nnx.Linear(2 * DEC, DEC, kernel_init=_part(_init, ("mlp", "embed")), use_bias=False, rngs=rngs)
+        self.norm = nnx.RMSNorm(DEC, scale_init=_part(nnx.initializers.ones, ("embed",)), rngs=rngs)
+        self.head = nnx.Linear(DEC, VOCAB, kernel_init=_part(_init, ("embed", None)), rngs=rngs)
+
+    def __call__(self, image, tokens):
+        x = jnp.concatenate([self.bridge(image), self.embed(tokens)], axis=1)
+        rows, length, _ = x.shape
+        # heads split over tensor: each device holds some of them (the columns of q, k and v alike)
+        q, k, v = (f(x).reshape(rows, length, -1, DEC // HEADS) for f in (self.q, self.k, self.v))
+        mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(rows, length, -1)
+        x = residual_add(x, self.out(mixed), ("heads",), STREAM)[0]
+        x = residual_add(x, self.down(jax.nn.gelu(self.up(x))), ("mlp",), STREAM)[0]
+        return self.head(self.norm(x))[:, PATCHES:]
+
+
+def encode(encoder, x, batch):
+    return encoder(batch["patches"])
+
+
+def caption_loss(lm, image, batch):
+    logits = lm(image, batch["text"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["text"][:, 1:]).mean()
+
+
+def caption_batch(m, rows=4, seed=3):
+    keys = jax.random.split(jax.random.key(seed))
+    return {"patches": np.asarray(jax.random.normal(keys[0], (m, rows, PATCHES, PATCH_DIM))),
+            "text": np.asarray(jax.random.randint(keys[1], (m, rows, TEXT + 1), 0, VOCAB))}
+
+
+def test_a_pipeline_of_two_modules_with_their_own_layouts_equals_one_device():
+    """A vision encoder under data=4 (devices 0-3) and a captioning LM under data=2,tensor=2 (4-7),
+    1F1B over 4 micro-batches: loss, gradients, an AdamW step and the next gradients equal the
+    composed model on one device; the encoder's output crosses once a micro-batch each way, resharded between layouts."""
+    m = 4
+    with nnx.use_eager_sharding(False):  # (the names are for jaxpar's layouts)
+        encoder, lm = VisionEncoder(nnx.Rngs(0)), CaptionLM(nnx.Rngs(1))
+    stages = [mpmd.ModuleStage(encoder, encode, sends=STREAM), mpmd.ModuleStage(lm, caption_loss)]
+    pipe = mpmd.ModulePipeline(stages, mpmd.stage_layouts(["data=4", "data=2,tensor=2"]), sc.one_f_one_b(2, m))
+    params = [nnx.to_pure_dict(nnx.state(encoder)), nnx.to_pure_dict(nnx.state(lm))]
+
+    def with_weights(module, weights):
+        graphdef, state = nnx.split(module)
+        state = jax.tree.map(lambda v: v, state)  # (a copy to fill)
+        nnx.replace_by_pure_dict(state, weights)
+        return nnx.merge(graphdef, state)
+
+    def one_device(params, batch):
+        def loss(p, mb):
+            return caption_loss(with_weights(lm, p[1]), encode(with_weights(encoder, p[0]), (), mb), mb)
+        return jax.value_and_grad(lambda p: jnp.mean(jnp.stack([loss(p, jax.tree.map(lambda x: x[i], batch))
+                                                               for i in range(m)])))(params)
+
+    weights = pipe.place(params)
+    loss, grads = pipe.value_and_grad(weights, caption_batch(m))
+    expected_loss, expected_grads = one_device(params, caption_batch(m))
+    assert_close(loss, expected_loss, "loss")
+    assert_close(pipe.stage_weights(grads), expected_grads, "grads")
+    weights, _ = pipe.apply_gradients(ADAMW, weights, grads, pipe.init_optimizer(ADAMW, weights))
+    params = adamw_step(params, expected_grads)
+    # (AdamW's first step is lr g / (|g| + eps): the rounding of a gradient entry near eps shows)
+    assert_close(pipe.stage_weights(weights), params, "AdamW step", of_largest=1e-4)
+    # the second step's, at the updated weights
+    loss, grads = pipe.value_and_grad(weights, caption_batch(m, seed=4))
+    expected_loss, expected_grads = one_device(params, caption_batch(m, seed=4))
+    assert_close(loss, expected_loss, "second loss")
+    assert_close(pipe.stage_weights(grads), expected_grads, "second grads")
+    assert pipe.traffic.forward_bytes == pipe.traffic.backward_bytes == m * 4 * PATCHES * ENC * 4
+    with pytest.raises(sc.ScheduleError, match=r"one module a stage; use gpipe"):
+        mpmd.ModulePipeline(stages, mpmd.stage_layouts(["data=4", "data=2,tensor=2"]), sc.make("interleaved-1f1b", 2, 4, 2))
+    with pytest.raises(LayoutError, match=r"stage 0 sends its output to stage 1 but names no layout"):
+        mpmd.ModulePipeline([mpmd.ModuleStage(encoder, encode), stages[1]], mpmd.stage_layouts(["data=4", "data=4"]),
+                            sc.one_f_one_b(2, m))

@@ -38,13 +38,14 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.collectives.reshard import compile_reshard
@@ -52,9 +53,10 @@ from jaxpar.errors import LayoutError
 from jaxpar.parallel import OPTIONS, build_layout, parse_strategy
 from jaxpar.parallel.subspace import SUBSPACE
 from jaxpar.parallel.subspace.codec import SubspacePieces
-from jaxpar.parallel.stage.pipeline import PipelineModel, check_microbatches, layers_per_chunk, stacked_layers, sum_over_batch
+from jaxpar.parallel.stage.pipeline import (PipelineModel, check_microbatches, layers_per_chunk, stacked_layers, sum_over_batch,
+                                           weight_names)
 from jaxpar.parallel.stage.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
-from jaxpar.rules import Layout, use_layout, vary_over
+from jaxpar.rules import Layout, gather_layers_when_read, gather_params, use_layout, vary_over
 
 _is_names = lambda x: isinstance(x, tuple)  # noqa: E731  (a leaf of a logical-names tree)
 
@@ -159,7 +161,8 @@ class MPMDPipeline:
         self.activation_names, self.batch_names, self.broadcast = tuple(activation_names), batch_names, broadcast
         S, V = schedule.stages, schedule.virtual_stages
         # the stages that read the edge weights: the first and the last, or every one
-        self.edge_holders = list(range(S)) if model.reads_edge_everywhere else sorted({0, (V - 1) % S})
+        self.edge_everywhere = model is not None and model.reads_edge_everywhere
+        self.edge_holders = list(range(S)) if self.edge_everywhere else sorted({0, (V - 1) % S})
         self._programs: dict[tuple, Any] = {}
         self.traffic: Traffic | None = None  # of the last value_and_grad
 
@@ -193,12 +196,35 @@ class MPMDPipeline:
 
     # --- the per-stage programs -----------------------------------------------------------------
 
+    def _names(self, s: int):
+        """Logical names of stage s's chunk weights."""
+        return self.stage_names
+
+    def _received(self, s: int):
+        """Logical names of what stage s receives (what its forward's input is laid out as)."""
+        return self.activation_names
+
+    def _sent(self, s: int):
+        """Logical names of what stage s sends on."""
+        return self.activation_names
+
+    def _apply(self, s: int, first: bool, last: bool):
+        """``apply(chunk, edge, x, micro-batch)`` of one virtual stage on stage s: what it sends on,
+        or the loss if it is the last."""
+        model = self.model
+
+        def apply(chunk, edge, x, mb):
+            h = model.first(edge, chunk, mb) if first else x
+            h = model.stage(edge, chunk, h, mb)
+            return model.last(edge, chunk, h, mb) if last else h
+
+        return apply
+
     def _specs(self, s: int):
         layout = self.layouts[s]
-        stage = jax.tree.map(lambda n: layout.spec(n, "param"), self.stage_names, is_leaf=_is_names)
+        stage = jax.tree.map(lambda n: layout.spec(n, "param"), self._names(s), is_leaf=_is_names)
         edge = jax.tree.map(lambda n: layout.spec(n, "param"), self.edge_names, is_leaf=_is_names)
-        act = layout.spec(self.activation_names)
-        return stage, edge, act
+        return stage, edge, layout.spec(self._received(s)), layout.spec(self._sent(s))
 
     def _batch_specs(self, s: int, batch):
         layout = self.layouts[s]
@@ -212,19 +238,20 @@ class MPMDPipeline:
         key = (s, first, last, kind)
         if key in self._programs:
             return self._programs[key]
-        layout, model = self.layouts[s], self.model
-        stage_spec, edge_spec, act_spec = self._specs(s)
-        uses_edge = first or last or model.reads_edge_everywhere
+        layout, names = self.layouts[s], self._names(s)
+        stage_spec, edge_spec, received_spec, sent_spec = self._specs(s)
+        uses_edge = first or last or self.edge_everywhere
         edge_spec = edge_spec if uses_edge else {}
-        x_spec = () if first else act_spec
+        x_spec = () if first else received_spec
         batch_spec = self._batch_specs(s, batch)
         loss_scale = 1.0 / (self.schedule.microbatches * layout.batch_shards)
         batch_axes = set(layout.batch_axes)
 
+        stage_apply = self._apply(s, first, last)
+
         def apply(chunk, edge, x, mb):
-            h = model.first(edge, chunk, mb) if first else x
-            h = model.stage(edge, chunk, h, mb)
-            return model.last(edge, chunk, h, mb) * loss_scale if last else h
+            out = stage_apply(chunk, edge, x, mb)
+            return out * loss_scale if last else out
 
         if kind == FORWARD:
             def body(chunk, edge, x, mb):
@@ -232,7 +259,7 @@ class MPMDPipeline:
                     return apply(chunk, edge, x, mb)
 
             program = jax.jit(jax.shard_map(body, mesh=layout.mesh, in_specs=(stage_spec, edge_spec, x_spec, batch_spec),
-                                            out_specs=act_spec))
+                                            out_specs=sent_spec))
         else:
             def body(chunk, edge, x, mb, g, acc_chunk, acc_edge):
                 # weights vary over the batch axes: the vjp gives each device its own shard's gradient
@@ -241,13 +268,13 @@ class MPMDPipeline:
                 with use_layout(layout, manual=True):
                     out, vjp = jax.vjp(lambda c, e, x_: apply(c, e, x_, mb), chunk, edge, x)
                     g_chunk, g_edge, g_x = vjp(jnp.ones_like(out) if last else g)
-                g_chunk = sum_over_batch(layout, g_chunk, self.stage_names)
+                g_chunk = sum_over_batch(layout, g_chunk, names)
                 g_edge = sum_over_batch(layout, g_edge, self.edge_names) if uses_edge else g_edge
                 loss = jax.lax.psum(out, tuple(batch_axes)) if last and batch_axes else (out if last else ())
                 add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
                 return loss, add(acc_chunk, g_chunk), add(acc_edge, g_edge), g_x
 
-            g_spec = act_spec if not last else ()
+            g_spec = sent_spec if not last else ()
             program = jax.jit(jax.shard_map(
                 body, mesh=layout.mesh,
                 in_specs=(stage_spec, edge_spec, x_spec, batch_spec, g_spec, stage_spec, edge_spec),
@@ -260,7 +287,7 @@ class MPMDPipeline:
 
     def _move(self, x, s: int, counter: list):
         """``x`` resharded to stage s's compute layout of the activation."""
-        dst = NamedSharding(self.layouts[s].mesh, self.layouts[s].spec(self.activation_names))
+        dst = NamedSharding(self.layouts[s].mesh, self.layouts[s].spec(self._received(s)))
         program = compile_reshard(x.shape, x.dtype, x.sharding, dst, broadcast=self.broadcast)
         counter.append((program.plan.cross_mesh_bytes, program.plan.naive_bytes))
         return program(x)
@@ -285,7 +312,7 @@ class MPMDPipeline:
                     mb, jax.tree.map(lambda p: NamedSharding(self.layouts[s].mesh, p), specs))
             return placed_batches[(i, s)]
 
-        grads = StageWeights([[self._zeros(s, self.stage_names, c) for c in weights.chunks[s]] for s in range(S)],
+        grads = StageWeights([[self._zeros(s, self._names(s), c) for c in weights.chunks[s]] for s in range(S)],
                              {s: self._zeros(s, self.edge_names, e) for s, e in weights.edge.items()})
         inputs, cotangents, losses = {}, {}, []
         sent = {FORWARD: [], BACKWARD: []}
@@ -299,7 +326,7 @@ class MPMDPipeline:
                 first, last = k == 0, k == V - 1
                 if kind == FORWARD and last:  # the last virtual stage's forward runs inside its backward
                     continue
-                uses_edge = first or last or self.model.reads_edge_everywhere
+                uses_edge = first or last or self.edge_everywhere
                 edge = weights.edge[s] if uses_edge else {}
                 x = () if first else inputs[(i, k)]
                 program = self._program(s, first, last, kind, microbatch(i, s))
@@ -364,6 +391,80 @@ class MPMDPipeline:
                 edge[s] = params["edge"]
             new_states.append(state)
         return StageWeights(chunks, edge), new_states
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleStage:
+    """One stage of a pipeline of different modules (``ModulePipeline``): ``module``, an
+    ``nnx.Module`` (real or from ``nnx.eval_shape``: only its structure and the logical names of its
+    weights are read), run as ``apply(module, x, micro-batch)``: ``x`` is ``()`` on the first stage
+    and what the stage before sent after it. Every stage but the last returns what it sends on,
+    laid out as the logical names ``sends``; the last returns the loss (the mean over its rows)."""
+
+    module: Any
+    apply: Callable
+    sends: tuple = ()
+
+
+class ModulePipeline(MPMDPipeline):
+    """An MPMD pipeline whose stages are different modules, each under its own layout on its own
+    devices (say a vision encoder under ``data=4`` and a language model under
+    ``tensor=2,data=2``): stage s runs ``stages[s]`` on its weights alone, and what crosses a
+    boundary is resharded from the sender's layout of its ``sends`` to the receiver's by the
+    cross-mesh planner, forward and (its gradient) backward. No edge weights: each module holds
+    its own. Weights are a list of per-stage pure dicts (``nnx.to_pure_dict(nnx.state(module))``)."""
+
+    def __init__(self, stages: Sequence[ModuleStage], layouts: Sequence[Layout], schedule: Schedule, *,
+                 batch_names=None, broadcast: bool = True):
+        if len(stages) != schedule.stages:
+            raise ScheduleError(f"schedule {schedule.name!r} is for {schedule.stages} stages but {len(stages)} modules were "
+                                f"given; give one ModuleStage per stage")
+        if schedule.chunks != 1:
+            raise ScheduleError(f"schedule {schedule.name!r} gives each device {schedule.chunks} chunks, but a pipeline of "
+                                f"modules has one module a stage; use gpipe, 1f1b or eager-1f1b")
+        silent = [s for s, stage in enumerate(stages[:-1]) if not stage.sends]
+        if silent:
+            raise LayoutError(f"stage {silent[0]} sends its output to stage {silent[0] + 1} but names no layout for it; "
+                              f"give ModuleStage(..., sends=(logical names of its dims, e.g. 'batch', None, 'embed'))")
+        super().__init__(None, layouts, schedule, names=(None, {}), activation_names=(), batch_names=batch_names,
+                         broadcast=broadcast)
+        self.stages = list(stages)
+        self._split = [nnx.split(stage.module) for stage in stages]
+        self._stage_names = [weight_names(state) for _, state in self._split]
+
+    def _names(self, s: int):
+        return self._stage_names[s]
+
+    def _received(self, s: int):
+        return self.stages[s - 1].sends
+
+    def _sent(self, s: int):
+        return self.stages[s].sends
+
+    def _apply(self, s: int, first: bool, last: bool):
+        graphdef, abstract = self._split[s]
+        run = self.stages[s].apply
+
+        def apply(chunk, edge, x, mb):
+            state = jax.tree.map(lambda v: v, abstract)  # (a copy to fill)
+            nnx.replace_by_pure_dict(state, chunk)
+            state = gather_params(state)  # the weights in their compute layout
+            gather_layers_when_read(state)  # stacked ones, one layer at a time in the module's loop
+            return run(nnx.merge(graphdef, state), x, mb)
+
+        return apply
+
+    def place(self, weights: Sequence[Any]) -> StageWeights:
+        """Per-stage pure dicts -> each stage's weights on its devices, laid out by its layout's
+        stored mapping (copies, as ``MPMDPipeline.place``)."""
+        if len(weights) != len(self.stages):
+            raise LayoutError(f"{len(weights)} weight trees for {len(self.stages)} stages; give one per stage, in order")
+        chunks = [[_copy_to(w, self._param_shardings(s, self._stage_names[s], w))] for s, w in enumerate(weights)]
+        return StageWeights(chunks, {s: {} for s in self.edge_holders})
+
+    def stage_weights(self, weights: StageWeights) -> list:
+        """Each stage's weights (or gradients) as a pure dict on the host, in stage order."""
+        return [jax.tree.map(np.asarray, chunks[0]) for chunks in weights.chunks]
 
 
 @functools.lru_cache(maxsize=8)

@@ -780,8 +780,14 @@ class SplitModel:
         return {**edge, self.stacked: stacked}
 
 
+def weight_names(state) -> dict:
+    """Logical names of every weight of an nnx State, as a pure dict (None dims where a weight has none)."""
+    return nnx.to_pure_dict(jax.tree.map(lambda v: logical_names(v) or (None,) * v.get_value().ndim, state,
+                                         is_leaf=lambda v: isinstance(v, nnx.Variable)))
+
+
 def _names_of(abstract_state, stacked):
-    names = nnx.to_pure_dict(jax.tree.map(logical_names, abstract_state, is_leaf=lambda v: isinstance(v, nnx.Variable)))
+    names = weight_names(abstract_state)
     return names[stacked], {key: n for key, n in names.items() if key != stacked}
 
 
