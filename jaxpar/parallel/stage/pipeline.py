@@ -738,12 +738,12 @@ def simulate_pipedream(stage_fn, stage_params, batch, stages: int, *, first_fn, 
 
     grad = jax.jit(jax.value_and_grad(loss_of, argnums=(0, 1, 2)))
     step = jax.jit(lambda w, g, state: _optimizer_step(optimizer, w, g, state))
-    losses, versions = [], [[max(0, i - (stages - s - 1)) for i in range(m)] for s in range(stages)]
+    losses, versions = [], stash_versions(stages, m)
     for i in range(m):
         mb = jax.tree.map(lambda b: b[i], batch)
-        chunks = [blocks[s]["history"][versions[s][i]] for s in range(stages)]
+        chunks = [blocks[s]["history"][versions[s, i]] for s in range(stages)]
         loss, (g_chunks, g_first, g_last) = grad(
-            chunks, edges[0]["history"][versions[0][i]], edges[-1]["history"][versions[-1][i]], mb)
+            chunks, edges[0]["history"][versions[0, i]], edges[-1]["history"][versions[-1, i]], mb)
         losses.append(loss)
         edge_grads = [g_first, g_last] if stages > 1 else [jax.tree.map(jnp.add, g_first, g_last)]
         for block, g in zip(blocks + edges, list(g_chunks) + edge_grads):
@@ -752,7 +752,14 @@ def simulate_pipedream(stage_fn, stage_params, batch, stages: int, *, first_fn, 
     final = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[block["history"][-1] for block in blocks])
     ends = [edge["history"][-1] for edge in edges]
     edge_copies = ends[:1] + [edge_params] * (stages - 2) + ends[1:]
-    return jnp.stack(losses), final, jax.tree.map(lambda *xs: jnp.stack(xs), *edge_copies), np.array(versions)
+    return jnp.stack(losses), final, jax.tree.map(lambda *xs: jnp.stack(xs), *edge_copies), versions
+
+
+def stash_versions(stages: int, microbatches: int) -> np.ndarray:
+    """(stages, microbatches): how many of its own updates stage s's weights have had when
+    micro-batch i reads them under PipeDream (1F1B keeps S - s micro-batches in flight on stage s,
+    so S - s - 1 of them update it between a micro-batch's forward there and its backward)."""
+    return np.array([[max(0, i - (stages - s - 1)) for i in range(microbatches)] for s in range(stages)])
 
 
 def _optimizer_step(optimizer, w, g, state):
