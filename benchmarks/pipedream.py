@@ -139,7 +139,7 @@ def main():
     table("quadratic, 64 dims in S coupled blocks", args.stages, quadratic, args.seconds)
     if args.llama_seconds:
         global GRID
-        GRID = (0.1, 0.3, 1.0)
+        GRID = (0.03, 0.1, 0.3, 1.0)
         table("tiny Llama, main job's corpus, held-out loss", [s for s in args.stages if s <= 4], llama,
               args.llama_seconds, GRID)
 

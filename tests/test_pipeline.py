@@ -21,6 +21,7 @@ from jaxpar.errors import LayoutError
 from jaxpar.models import llama
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.parallel.stage import pipeline as pl
+from jaxpar.parallel.stage.stream import PipeDreamStream
 from jaxpar.parallel.stage import schedules as sc
 from jaxpar.train.state import abstract_model
 from jaxpar.train.step import TrainConfig, Trainer
@@ -442,3 +443,36 @@ def test_trainer_refuses_the_asynchronous_schedule():
                                           r"pipeline.pipedream_train"):
         Trainer(build_layout(parse_strategy("stage=2,data=4", 8)), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn,
                 TrainConfig(schedule="pipedream", microbatches=4))
+
+
+def test_a_pipedream_stream_never_flushes_and_equals_its_simulation():
+    """Three windows of 8 micro-batches on 4 stages with Adam, the pipeline full from one window to
+    the next: the losses of the micro-batches each window finishes and the weights after the third
+    equal the single-device simulation of the same stream cut where the third window ends (each
+    stage having made the updates its backwards reached by then)."""
+    stages, m, windows = 4, 8, 3
+    stacked, edge = mlp_params()
+    x, y = mlp_batch(m * windows)
+    optimizer = optax.adam(0.01)
+    stream = PipeDreamStream(stage_mesh(stages), m, first_fn=mlp_first, stage_fn=mlp_stage, last_fn=mlp_last,
+                             optimizer=optimizer)
+    state = stream.init(stacked, edge, (x[:m], y[:m]))
+    got = {}
+    for w in range(windows):
+        state, losses, numbers = stream.step(state, (x[w * m:(w + 1) * m], y[w * m:(w + 1) * m]))
+        got.update({int(n): float(loss) for n, loss in zip(numbers, losses) if n >= 0})
+    # each stage's updates so far: its backwards of micro-batches 0 .. n-1
+    done = [int(c) for c in np.asarray(state["updates"])]
+    # as many as the schedule's backwards on each stage before stage 0 takes micro-batch 3m: the
+    # micro-batches in flight then (no flush) have not updated their stages yet
+    whole = sc.pipedream(stages, (windows + 1) * m)
+    end = next(t for t in range(whole.ticks) if whole.kind[t, 0] == sc.FORWARD and whole.microbatch[t, 0] == windows * m)
+    assert done == [int(np.sum(whole.kind[:end, s] == sc.BACKWARD)) for s in range(stages)] and max(done) < windows * m
+    simulate = dict(first_fn=mlp_first, last_fn=mlp_last, edge_params=edge, optimizer=optimizer)
+    expected = pl.simulate_pipedream(mlp_stage, stacked, (x, y), stages, applied=done, **simulate)
+    assert sorted(got) == list(range(len(got))) and len(got) >= max(done)
+    assert_close(np.array([got[n] for n in range(max(done))]), expected[0], "losses")
+    new_stacked, edge_copies = stream.weights(state)
+    assert_close(new_stacked, expected[1], "stacked weights")
+    assert_close({k: v[0] for k, v in edge_copies.items()}, jax.tree.map(lambda e: e[0], expected[2]), "first edge copy")
+    assert_close({k: v[-1] for k, v in edge_copies.items()}, jax.tree.map(lambda e: e[-1], expected[2]), "last edge copy")

@@ -717,13 +717,16 @@ def pipedream_train(stage_fn, stage_params, batch, mesh, schedule: Schedule, *, 
     return fn(stage_params, edge_params, batch)
 
 
-def simulate_pipedream(stage_fn, stage_params, batch, stages: int, *, first_fn, last_fn, edge_params, optimizer):
+def simulate_pipedream(stage_fn, stage_params, batch, stages: int, *, first_fn, last_fn, edge_params, optimizer,
+                       applied=None):
     """The oracle for ``pipedream_train``, on one device and from PipeDream's definition alone:
     micro-batch i runs stage s with the weights after max(0, i - (S-s-1)) of that stage's updates
     (1F1B keeps S-s micro-batches in flight on stage s) and its gradient then steps stage s's
     current weights with ``optimizer``. Stage 0 owns first_fn's copy of ``edge_params``, stage S-1
-    last_fn's (one copy on one stage). Returns what ``pipedream_train`` returns."""
+    last_fn's (one copy on one stage). Returns what ``pipedream_train`` returns. ``applied``: per
+    stage, how many of its updates have been made (a stream cut mid-way, ``stream.py``; default all)."""
     m = jax.tree.leaves(batch)[0].shape[0]
+    applied = [m] * stages if applied is None else list(applied)
     k = stacked_layers(stage_params) // stages
     split = [jax.tree.map(lambda x: x[s * k:(s + 1) * k], stage_params) for s in range(stages)]
     # each block's weights after n of its updates (history[n]) and its optimizer state now
@@ -739,16 +742,18 @@ def simulate_pipedream(stage_fn, stage_params, batch, stages: int, *, first_fn, 
     grad = jax.jit(jax.value_and_grad(loss_of, argnums=(0, 1, 2)))
     step = jax.jit(lambda w, g, state: _optimizer_step(optimizer, w, g, state))
     losses, versions = [], stash_versions(stages, m)
-    for i in range(m):
+    for i in range(max(applied)):  # (micro-batches after these have changed no weights yet)
         mb = jax.tree.map(lambda b: b[i], batch)
         chunks = [blocks[s]["history"][versions[s, i]] for s in range(stages)]
         loss, (g_chunks, g_first, g_last) = grad(
             chunks, edges[0]["history"][versions[0, i]], edges[-1]["history"][versions[-1, i]], mb)
         losses.append(loss)
         edge_grads = [g_first, g_last] if stages > 1 else [jax.tree.map(jnp.add, g_first, g_last)]
-        for block, g in zip(blocks + edges, list(g_chunks) + edge_grads):
-            w, block["state"] = step(block["history"][-1], g, block["state"])
-            block["history"].append(w)
+        owners = list(range(stages)) + [0, stages - 1][:len(edges)]
+        for block, g, owner in zip(blocks + edges, list(g_chunks) + edge_grads, owners):
+            if i < applied[owner]:
+                w, block["state"] = step(block["history"][-1], g, block["state"])
+                block["history"].append(w)
     final = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[block["history"][-1] for block in blocks])
     ends = [edge["history"][-1] for edge in edges]
     edge_copies = ends[:1] + [edge_params] * (stages - 2) + ends[1:]
