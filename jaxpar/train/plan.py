@@ -178,7 +178,7 @@ def _pipeline(layout: Layout, loss_fn, state: ShardedState, cfg: TrainConfig, sy
         raise LayoutError(f"schedule {cfg.schedule!r} updates each stage's weights after every micro-batch, "
                           f"which a training step with one optimizer update does not do; use gpipe, 1f1b, "
                           f"eager-1f1b or interleaved-1f1b here, or pipeline.pipedream_train "
-                          f"(examples/pipedream.py)")
+                          f"(examples/pipedream.py) and stream.PipeDreamStream (no flush) outside the Trainer")
     stacked, _ = split.split(nnx.to_pure_dict(state.abstract))
     pipeline_lib.layers_per_chunk(pipeline_lib.stacked_layers(stacked), schedule)
     return split, schedule, pipeline_lib.lower(schedule)
