@@ -443,6 +443,9 @@ def test_trainer_refuses_the_asynchronous_schedule():
                                           r"pipeline.pipedream_train"):
         Trainer(build_layout(parse_strategy("stage=2,data=4", 8)), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn,
                 TrainConfig(schedule="pipedream", microbatches=4))
+    with pytest.raises(sc.ScheduleError, match=r"pipedream with 2 micro-batches on 4 stages: the stream never fills"):
+        Trainer(build_layout(parse_strategy("stage=4,data=2", 8)), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn,
+                TrainConfig(schedule="pipedream", microbatches=2))
 
 
 def test_a_pipedream_stream_never_flushes_and_equals_its_simulation():
