@@ -45,7 +45,8 @@ from jaxpar.parallel.delayed import residual
 from jaxpar.parallel.subspace import SUBSPACE
 from jaxpar.parallel.subspace import codec as subspace_codec
 from jaxpar.parallel.tensor import DELAYED
-from jaxpar.rules import _ACTIVE, Layout, Names, _called, manual_layout, stored_table, vary_everywhere, vary_over, varying_axes
+from jaxpar.rules import (_ACTIVE, Layout, Names, _called, manual_layout, stored_table, unfinished_axes, vary_everywhere, vary_over,
+                          varying_axes)
 
 block_share = blocks.share  # a block diffusion loss's share of a batch (block parallelism's runtime)
 
@@ -101,9 +102,7 @@ def _refuse_unfinished_sum(x, names: Names, layout: Layout, where: str):
     axis that nobody finished (a row-parallel matmul output without ``reduce_partial``): its shards
     are partial sums, and a later sum over the same axis (a vocab-parallel loss) would hide it."""
     # (under delayed TP the residual stream differs across the delayed axes on purpose)
-    model_axes = {a for name in layout.compute if name != "batch" for a in layout.axes_of(name)} - set(layout.role(DELAYED))
-    split = {a for name in names for a in layout.axes_of(name)}
-    unfinished = sorted((varying_axes(x) & model_axes) - split)
+    unfinished = unfinished_axes(x, names, layout, layout.role(DELAYED))
     if unfinished:
         origin = _origin(x, unfinished[0])
         raise LayoutError(

@@ -243,6 +243,15 @@ def varying_axes(x) -> set[str]:
     return set(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
+def unfinished_axes(x, names, layout: Layout, exempt=()) -> list[str]:
+    """The model-parallel mesh axes (those a logical axis other than the batch maps to, less
+    ``exempt``) over which ``x``, laid out as ``names``, differs although none of its dims is split
+    there: inside a manual step, the mark of a sum over a sharded logical axis nobody finished."""
+    model_axes = {a for name in layout.compute if name != "batch" for a in layout.axes_of(name)} - set(exempt)
+    split = {a for name in names for a in layout.axes_of(name)}
+    return sorted((varying_axes(x) & model_axes) - split)
+
+
 def vary_over(x, axes):
     """``x`` typed to differ over the manual mesh ``axes`` too (inside shard_map: a loop's carry,
     switch branches and values added together must agree in type; a backward pass then sums

@@ -269,6 +269,14 @@ def test_a_pipeline_of_two_modules_with_their_own_layouts_equals_one_device():
     assert pipe.traffic.forward_bytes == pipe.traffic.backward_bytes == m * 4 * PATCHES * ENC * 4
     with pytest.raises(sc.ScheduleError, match=r"one module a stage; use gpipe"):
         mpmd.ModulePipeline(stages, mpmd.stage_layouts(["data=4", "data=2,tensor=2"]), sc.make("interleaved-1f1b", 2, 4, 2))
+    # a plain nnx.Embed over a table split by vocab reads its own rows only: refused in words
+    with nnx.use_eager_sharding(False):
+        split_table = CaptionLM(nnx.Rngs(1))
+        split_table.embed = nnx.Embed(VOCAB, DEC, embedding_init=_part(_init, ("vocab", "embed")), rngs=nnx.Rngs(2))
+    wrong = mpmd.ModulePipeline([stages[0], mpmd.ModuleStage(split_table, caption_loss)],
+                                mpmd.stage_layouts(["data=4", "data=2,tensor=2"]), sc.one_f_one_b(2, m))
+    with pytest.raises(LayoutError, match=r"stage 1's loss differs across mesh axis tensor .* jaxpar.nn.embed_lookup"):
+        wrong.value_and_grad(wrong.place([params[0], nnx.to_pure_dict(nnx.state(split_table))]), caption_batch(m))
     with pytest.raises(LayoutError, match=r"stage 0 sends its output to stage 1 but names no layout"):
         mpmd.ModulePipeline([mpmd.ModuleStage(encoder, encode), stages[1]], mpmd.stage_layouts(["data=4", "data=4"]),
                             sc.one_f_one_b(2, m))

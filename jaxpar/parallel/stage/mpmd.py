@@ -56,7 +56,8 @@ from jaxpar.parallel.subspace.codec import SubspacePieces
 from jaxpar.parallel.stage.pipeline import (PipelineModel, check_microbatches, layers_per_chunk, stacked_layers, sum_over_batch,
                                            weight_names)
 from jaxpar.parallel.stage.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
-from jaxpar.rules import Layout, gather_layers_when_read, gather_params, use_layout, vary_over
+from jaxpar.parallel.tensor import DELAYED
+from jaxpar.rules import Layout, gather_layers_when_read, gather_params, unfinished_axes, use_layout, vary_over
 
 _is_names = lambda x: isinstance(x, tuple)  # noqa: E731  (a leaf of a logical-names tree)
 
@@ -251,6 +252,7 @@ class MPMDPipeline:
 
         def apply(chunk, edge, x, mb):
             out = stage_apply(chunk, edge, x, mb)
+            _refuse_unfinished(out, () if last else self._sent(s), layout, s, last)
             return out * loss_scale if last else out
 
         if kind == FORWARD:
@@ -391,6 +393,19 @@ class MPMDPipeline:
                 edge[s] = params["edge"]
             new_states.append(state)
         return StageWeights(chunks, edge), new_states
+
+
+def _refuse_unfinished(value, names, layout: Layout, s: int, last: bool):
+    """Raise, in words, where a stage's loss or output differs across a model-parallel mesh axis it
+    is not split over (shard_map's own check would stop it later, in JAX's words)."""
+    unfinished = unfinished_axes(value, names, layout, layout.role(DELAYED))
+    if unfinished:
+        what = "loss" if last else f"output (laid out as {tuple(names)})"
+        raise LayoutError(
+            f"stage {s}'s {what} differs across mesh axis {'/'.join(unfinished)} of its layout: a sum over a logical axis "
+            f"split there was not finished (a row-parallel matmul: add its output with jaxpar.nn.residual_add or "
+            f"reduce_partial), or a lookup table split by vocab was read whole (nnx.Embed: read it with "
+            f"jaxpar.nn.embed_lookup, or do not split its vocab)")
 
 
 @dataclasses.dataclass(frozen=True)
