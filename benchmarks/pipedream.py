@@ -30,7 +30,8 @@ from jaxpar.analysis import overlap, stale_sgd  # noqa: E402
 from jaxpar.parallel.stage import schedules as sc  # noqa: E402
 
 UNIT = 3.0  # one forward (1) and backward (2) of one stage
-GRID = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
+QUADRATIC_GRID = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
+LLAMA_GRID = (0.03, 0.1, 0.3, 1.0)
 
 
 def methods(stages: int, seconds: float):
@@ -52,10 +53,10 @@ def methods(stages: int, seconds: float):
     return runs, delays
 
 
-def best(run, grad, blocks, loss_at, seconds: float):
+def best(run, grad, blocks, loss_at, seconds: float, grid):
     """(loss at ``seconds`` and at half of it, lr) of the best learning rate of the grid."""
     scored = []
-    for lr in GRID:
+    for lr in grid:
         trajectory = run(grad, blocks, lr)
         final = loss_at(stale_sgd.at_seconds(trajectory, seconds))
         scored.append((final if np.isfinite(final) else np.inf, loss_at(stale_sgd.at_seconds(trajectory, seconds / 2)), lr))
@@ -118,7 +119,7 @@ def llama(stages: int, rows: int = 8, length: int = 64):
     return grad, blocks, lambda blocks: float(held_loss(blocks, held))
 
 
-def table(title: str, stages_list, make, seconds: float, grid=GRID):
+def table(title: str, stages_list, make, seconds: float, grid):
     print(f"\n{title} ({seconds:g} units of simulated time; loss at half and at the end, the best lr of {grid})")
     for stages in stages_list:
         grad, blocks, loss_at = make(stages)
@@ -126,7 +127,7 @@ def table(title: str, stages_list, make, seconds: float, grid=GRID):
         print(f"S={stages}: PipeDream's delay on stage 0 {delays[0]:g} updates (theory S^2 - S/2 = {stages ** 2 - stages / 2:g}), "
               f"per stage {', '.join(f'{d:g}' for d in delays)}; start loss {loss_at(blocks):.4f}")
         for name, run in runs.items():
-            final, half, lr = best(run, grad, blocks, loss_at, seconds)
+            final, half, lr = best(run, grad, blocks, loss_at, seconds, grid)
             print(f"  {name:30s} lr {lr:<5g} loss {half:9.4f} -> {final:9.4f}")
 
 
@@ -136,12 +137,10 @@ def main():
     parser.add_argument("--seconds", type=float, default=900.0, help="simulated time of the quadratic's runs (units)")
     parser.add_argument("--llama-seconds", type=float, default=240.0, help="of the tiny Llama's (0: skip it)")
     args = parser.parse_args()
-    table("quadratic, 64 dims in S coupled blocks", args.stages, quadratic, args.seconds)
+    table("quadratic, 64 dims in S coupled blocks", args.stages, quadratic, args.seconds, QUADRATIC_GRID)
     if args.llama_seconds:
-        global GRID
-        GRID = (0.03, 0.1, 0.3, 1.0)
         table("tiny Llama, main job's corpus, held-out loss", [s for s in args.stages if s <= 4], llama,
-              args.llama_seconds, GRID)
+              args.llama_seconds, LLAMA_GRID)
 
 
 if __name__ == "__main__":

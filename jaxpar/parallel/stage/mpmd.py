@@ -56,7 +56,6 @@ from jaxpar.parallel.subspace.codec import SubspacePieces
 from jaxpar.parallel.stage.pipeline import (PipelineModel, check_microbatches, layers_per_chunk, stacked_layers, sum_over_batch,
                                            weight_names)
 from jaxpar.parallel.stage.schedules import BACKWARD, FORWARD, IDLE, Schedule, ScheduleError
-from jaxpar.parallel.tensor import DELAYED
 from jaxpar.rules import Layout, gather_layers_when_read, gather_params, unfinished_axes, use_layout, vary_over
 
 _is_names = lambda x: isinstance(x, tuple)  # noqa: E731  (a leaf of a logical-names tree)
@@ -398,7 +397,7 @@ class MPMDPipeline:
 def _refuse_unfinished(value, names, layout: Layout, s: int, last: bool):
     """Raise, in words, where a stage's loss or output differs across a model-parallel mesh axis it
     is not split over (shard_map's own check would stop it later, in JAX's words)."""
-    unfinished = unfinished_axes(value, names, layout, layout.role(DELAYED))
+    unfinished = unfinished_axes(value, names, layout)
     if unfinished:
         what = "loss" if last else f"output (laid out as {tuple(names)})"
         raise LayoutError(

@@ -742,6 +742,7 @@ def simulate_pipedream(stage_fn, stage_params, batch, stages: int, *, first_fn, 
     grad = jax.jit(jax.value_and_grad(loss_of, argnums=(0, 1, 2)))
     step = jax.jit(lambda w, g, state: _optimizer_step(optimizer, w, g, state))
     losses, versions = [], stash_versions(stages, m)
+    owners = list(range(stages)) + [0, stages - 1][:len(edges)]  # (blocks, then edge copies: whose update each is)
     for i in range(max(applied)):  # (micro-batches after these have changed no weights yet)
         mb = jax.tree.map(lambda b: b[i], batch)
         chunks = [blocks[s]["history"][versions[s, i]] for s in range(stages)]
@@ -749,7 +750,6 @@ def simulate_pipedream(stage_fn, stage_params, batch, stages: int, *, first_fn, 
             chunks, edges[0]["history"][versions[0, i]], edges[-1]["history"][versions[-1, i]], mb)
         losses.append(loss)
         edge_grads = [g_first, g_last] if stages > 1 else [jax.tree.map(jnp.add, g_first, g_last)]
-        owners = list(range(stages)) + [0, stages - 1][:len(edges)]
         for block, g, owner in zip(blocks + edges, list(g_chunks) + edge_grads, owners):
             if i < applied[owner]:
                 w, block["state"] = step(block["history"][-1], g, block["state"])

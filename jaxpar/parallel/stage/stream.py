@@ -6,7 +6,7 @@ micro-batches enter stage 0 (the asynchronous schedule's steady state, which rep
 ticks), while later stages go on with the micro-batches still in flight from the call before. What
 a stage holds between calls — its weights and optimizer state, the inputs and weights stashed for
 the micro-batches in flight, the gradients on their way back, the window's micro-batches — is
-the stream's state (``StreamState``), carried from call to call and saved with a checkpoint.
+the stream's state, a pytree carried from call to call (``init`` makes it, ``step`` returns it).
 
 The window's tables come from the schedule of 4m micro-batches (``_window``): the ticks from stage
 0's forward of micro-batch m to its forward of 2m, checked to repeat in the next window. Buffer
@@ -51,7 +51,7 @@ def _window(stages: int, microbatches: int, latency: int = 1) -> Window:
     program = lower(schedule)
     entered = {int(schedule.microbatch[t, 0]): t for t in range(schedule.ticks) if schedule.kind[t, 0] == FORWARD}
     windows = [slice(entered[m], entered[2 * m]), slice(entered[2 * m], entered[3 * m])]
-    columns = [_columns(schedule, program, w, shift) for w, shift in zip(windows, (m, 2 * m))]
+    columns = [_columns(schedule, program, w, shift, m) for w, shift in zip(windows, (m, 2 * m))]
     if any(not np.array_equal(columns[0][name], columns[1][name]) for name in columns[0]):
         raise ScheduleError(f"pipedream on {stages} stages with {m} micro-batches a window does not repeat from one window "
                             f"to the next; give at least microbatches={stages}")
@@ -66,9 +66,8 @@ def _window(stages: int, microbatches: int, latency: int = 1) -> Window:
     return Window(window, m, reported)
 
 
-def _columns(schedule, program: Program, ticks: slice, shift: int) -> dict:
+def _columns(schedule, program: Program, ticks: slice, shift: int, m: int) -> dict:
     """The tables of ``ticks``, micro-batches numbered from ``shift - m`` (see ``Window``)."""
-    m = schedule.microbatches // 4
     kind = schedule.kind[ticks].astype(np.int32)
     busy = kind != IDLE
     number = lambda mb: np.where(mb >= 0, mb - shift + m, -1)  # noqa: E731
@@ -122,9 +121,6 @@ class PipeDreamStream:
     @property
     def microbatches(self) -> int:
         return self.window.microbatches
-
-    def _actions(self, carry, batch):
-        return _Actions(self.model, carry["params"], carry["edge"], batch, None, 1.0, self.optimizer)
 
     def init(self, stage_params, edge_params, example_batch):
         """The stream's state before its first micro-batch: ``stage_params`` stacked on layers (the

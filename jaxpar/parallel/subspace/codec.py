@@ -45,9 +45,15 @@ def project(y, k: int):
     return ((y.astype(jnp.float32) @ u) @ u.T).astype(y.dtype)
 
 
+def _change_and_coordinates(x, x0, k: int):
+    """(x - x0, U^T (x - x0)), in float32."""
+    v = x.astype(jnp.float32) - x0.astype(jnp.float32)
+    return v, v @ jnp.asarray(basis(x.shape[-1], k))
+
+
 def encode(x, x0, k: int):
     """The coordinates a boundary carries, in ``x``'s dtype: U^T (x - x0)."""
-    return ((x.astype(jnp.float32) - x0.astype(jnp.float32)) @ jnp.asarray(basis(x.shape[-1], k))).astype(x.dtype)
+    return _change_and_coordinates(x, x0, k)[1].astype(x.dtype)
 
 
 # A stage's output may leave x0 + span(U) by its rounding (each write rounded to the stream's
@@ -63,8 +69,7 @@ def checked_encode(y, x0, k: int):
     twin, which keeps it. The step is then non-finite (not applied) and the message says why
     (``nonfinite_cause``). Its cost: two sums of squares (||v||^2 - ||U^T v||^2 is the part
     outside, U's columns orthonormal); a step inside the subspace is bitwise unchanged."""
-    v = y.astype(jnp.float32) - x0.astype(jnp.float32)
-    c = v @ jnp.asarray(basis(y.shape[-1], k))
+    v, c = _change_and_coordinates(y, x0, k)
     change = jnp.sum(v * v)
     outside = change - jnp.sum(c * c)
     rounding = ROUNDING_ALLOWANCE * float(jnp.finfo(y.dtype).eps) ** 2 * jnp.sum(jnp.square(y.astype(jnp.float32)))
