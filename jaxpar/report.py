@@ -92,6 +92,11 @@ def format_summary(report: dict) -> str:
     if sync["name"] != "exact":
         bits = f", {sync['bits']} bits" if sync["bits"] is not None else ""
         lines.append(f"gradient sync {sync['name']} over {'+'.join(sync['axes'])}{bits} (the traffic optimum below is for exact sync)")
+    if report.get("pipedream"):
+        stream = report["pipedream"]
+        lines.append(f"PipeDream: {stream['microbatches_per_step']} micro-batches a step, never flushed; each stage trained "
+                     f"with weights up to {stream['staleness']} updates old (S - s - 1: {stream['staleness_formula']}), "
+                     f"keeping {stream['weight_versions_kept']} weight versions")
     if report["checkpoints"]:
         pauses = report["checkpoints"]["save_pause_s"]
         pause = f"; training paused {1000 * float(np.median(pauses)):.0f} ms per save (median)" if pauses else ""

@@ -642,6 +642,8 @@ def run_training(
         board.close()
     model_length = family.reads(run.seq_len)  # a block diffusion model reads [x_t ; x_0]
     analysis = dict(analyze(trainer, compiled, strategy, cfg, (run.batch_size, model_length)) if analyze else {}, **batch_report)
+    if trainer.pipedream is not None:  # the staleness each stage trained with
+        analysis["pipedream"] = trainer.pipedream.report(state)
     return _report(run, topology, trainer, strategy, cfg, start, steps, held_out_loss, model_length, analysis, ckpt)
 
 
@@ -655,6 +657,8 @@ def _at_the_end(trainer: Trainer, family, compiled, state, steps: _Steps, batch)
         split = math.prod(trainer.layout.mesh.shape[a] for a in trainer.layout.axes_of("experts"))
         # the batch from the host: the forward runs as XLA partitions it from the weights' layout
         report["batch_report"] = family.batch_report(trainer.merge(state.params), jax.device_get(batch), split)
+    if trainer.pipedream is not None:  # its step's loss is that of the micro-batches in flight, at stale weights
+        return _scalar(trainer.jit_loss(batch)(state.params, batch)), report
     # the compiled step's loss is the loss at the weights it is given (before its update): one
     # more call of it on a held-out batch, whose updated state is dropped, costs no compile
     return _scalar(compiled(state, batch)[1]["loss"]), report

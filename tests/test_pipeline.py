@@ -437,17 +437,6 @@ def test_trainer_pipeline_trains_like_the_unpipelined_layout(strategy, options):
     assert_close(got, want, "parameters after two steps", of_largest=5e-5)
 
 
-def test_trainer_refuses_the_asynchronous_schedule():
-    cfg = llama.CONFIGS["tiny"]
-    with pytest.raises(LayoutError, match=r"'pipedream' updates each stage's weights after every micro-batch.*"
-                                          r"pipeline.pipedream_train"):
-        Trainer(build_layout(parse_strategy("stage=2,data=4", 8)), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn,
-                TrainConfig(schedule="pipedream", microbatches=4))
-    with pytest.raises(sc.ScheduleError, match=r"pipedream with 2 micro-batches on 4 stages: the stream never fills"):
-        Trainer(build_layout(parse_strategy("stage=4,data=2", 8)), lambda r: llama.Llama(cfg, rngs=r), llama.loss_fn,
-                TrainConfig(schedule="pipedream", microbatches=2))
-
-
 def test_a_pipedream_stream_never_flushes_and_equals_its_simulation():
     """Three windows of 8 micro-batches on 4 stages with Adam, the pipeline full from one window to
     the next: the losses of the micro-batches each window finishes and the weights after the third

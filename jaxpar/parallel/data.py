@@ -33,7 +33,7 @@ def traffic(strategy, ctx) -> dict:
     ZeRO does not split) has its gradient all-reduced once over data, fsdp_group and fsdp together, counted
     under the first. On the GSPMD path a gradient split over another batch axis is reduce-scattered
     over data too and then gathered over it (``train/gspmd.py``): the same bytes as the all-reduce
-    of its shard, half of them in each kind."""
+    of its shard, half of them in each kind. Under PipeDream each micro-batch's update sums its own."""
     n, rb = ctx.mesh["data"], ctx.reduce_bytes
     whole, out = ctx.whole_reduced(), {}
     if n > 1:
@@ -45,4 +45,7 @@ def traffic(strategy, ctx) -> dict:
     if axes and whole:
         key = ("all-reduce", axes[0])
         out[key] = out.get(key, 0.0) + grad_allreduce_bytes(whole * rb, math.prod(ctx.mesh[a] for a in axes))
+    schedule = ctx.schedule
+    if schedule is not None and schedule.asynchronous:  # PipeDream sums each micro-batch's gradient at its update
+        out = {key: value * schedule.microbatches for key, value in out.items()}
     return out

@@ -53,7 +53,7 @@ class TrainConfig:
         "comma-separated batch mesh axes to compress, e.g. data (default: those that cross slow links between slices or nodes, else all)"))
     grad_sync_min_size: int = 4096  # values per device below which a compressed reduction stays exact
     # pipeline schedule when the mesh has stage > 1 (parallel/stage/schedules.py); given: refused without a stage axis
-    schedule: str = flag("1f1b", given=True, choices=["gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b"], commands=TRAIN_COMPILE, help={
+    schedule: str = flag("1f1b", given=True, choices=["gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b", "pipedream"], commands=TRAIN_COMPILE, help={
         "train": "pipeline schedule when the strategy has stage=N (default 1f1b)",
         "compile": "pipeline schedule when the strategy has stage=N"})
     # a pipeline's sends slowed for real (each tick that sends waits latency + bytes / bandwidth):

@@ -40,7 +40,7 @@ from jaxpar.parallel import STRATEGIES
 from jaxpar.parallel.stage import pipeline as pipeline_lib
 from jaxpar.parallel.stage import schedules
 from jaxpar.rules import Layout, record_model_calls, use_layout
-from jaxpar.train import grad_sync, gspmd, reductions, remat
+from jaxpar.train import grad_sync, gspmd, pipedream, reductions, remat
 from jaxpar.train.config import NONFINITE, PATHS, TrainConfig
 from jaxpar.train.placement import BatchPlacement
 from jaxpar.train.state import ShardedState, abstract_model, leave_to_rules, make_optimizer, variables
@@ -71,6 +71,7 @@ class Plan:
     path_reason: str | None = None
     explicit: bool = False  # GSPMD path: the model needs explicit mesh axes (its own out_sharding)
     calls: tuple[str, ...] | None = None  # the jaxpar calls the model makes (None: not traced yet)
+    example: Any = None  # the batch's shapes (ShapeDtypeStructs) where make_plan was given them
 
     @property
     def compiler_options(self) -> dict | None:
@@ -106,7 +107,7 @@ def make_plan(layout: Layout, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(
     ``batch`` (arrays or ShapeDtypeStructs) decides the path too."""
     check_options(layout, cfg)
     graphdef, abstract = abstract_model(model_fn)
-    optimizer = leave_to_rules(optimizer or make_optimizer(cfg), abstract)
+    optimizer = leave_to_rules(optimizer or make_optimizer(cfg, _updates_per_step(layout, cfg)), abstract)
     state = ShardedState(layout, model_fn, optimizer, graphdef, abstract)  # every weight against the layout
     shapes = {p: v.get_value().shape for p, v in variables(state.abstract).items()}
     for module in STRATEGIES:  # e.g. heads the context all-to-all cannot split
@@ -115,13 +116,14 @@ def make_plan(layout: Layout, model_fn, loss_fn, cfg: TrainConfig = TrainConfig(
     policy = remat.policy(cfg.remat, regather)
     remat.check_layer_loops(cfg.remat, state.stacked_marks())
     sync = grad_sync.resolve(cfg, layout)
-    pipeline, schedule, program = _pipeline(layout, loss_fn, state, cfg, sync, policy)
+    pipeline, schedule, program = _pipeline(layout, loss_fn, state, cfg, sync, policy, batch)
     plans = {p: reductions.reduction_plan(layout, names) for p, names in state.names.items()}
     buckets, done = reductions.all_reduce_buckets(plans, sync, cfg.microbatches)
     asked = None if cfg.path == "auto" else cfg.path
     plan = Plan(layout, model_fn, loss_fn, cfg, optimizer, state, BatchPlacement(layout, cfg.microbatches), regather,
                 regather_reason, policy, sync, pipeline, schedule, program, plans, buckets, done, asked,
-                None if asked is None else f"path={cfg.path!r} was asked for")
+                None if asked is None else f"path={cfg.path!r} was asked for",
+                example=None if batch is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch))
     if batch is None:
         return plan
     return plan.decide_path(state.abstract_state().params, batch)
@@ -162,10 +164,17 @@ def _choose_regather(layout: Layout, state: ShardedState, cfg: TrainConfig) -> t
     return parallel.choose_regather(kept, sum(state.stored_bytes_per_device().values()), memory)
 
 
-def _pipeline(layout: Layout, loss_fn, state: ShardedState, cfg: TrainConfig, sync, policy):
+def _updates_per_step(layout: Layout, cfg: TrainConfig) -> int:
+    """Optimizer updates a weight gets per step: one, or under PipeDream one per micro-batch."""
+    asynchronous = dict(layout.mesh.shape).get("stage", 1) > 1 and schedules.SCHEDULES.get(cfg.schedule) is schedules.pipedream
+    return cfg.microbatches if asynchronous else 1
+
+
+def _pipeline(layout: Layout, loss_fn, state: ShardedState, cfg: TrainConfig, sync, policy, batch):
     """(model split into pipeline pieces, schedule, lowered program) when the mesh has a stage
     axis: any model is cut at its layer scan (``pipeline.split_at_layer_scan``), each stage's
-    chunk of that scan checkpointed by the remat policy."""
+    chunk of that scan checkpointed by the remat policy. Under PipeDream the program is 1F1B's,
+    which the held-out loss runs (the step runs ``train/pipedream.py``'s window)."""
     stages = dict(layout.mesh.shape).get("stage", 1)
     if stages == 1:
         return None, None, None
@@ -174,13 +183,11 @@ def _pipeline(layout: Layout, loss_fn, state: ShardedState, cfg: TrainConfig, sy
     split = pipeline_lib.split_at_layer_scan(loss_fn, state.graphdef, state.abstract, wrap_body=remat.checkpoint(policy))
     split = dataclasses.replace(split, pieces=parallel.pipeline_pieces(layout, split.pieces))  # (subspace boundaries)
     schedule = schedules.make(cfg.schedule, stages, cfg.microbatches, cfg.chunks)
-    if schedule.asynchronous:
-        raise LayoutError(f"schedule {cfg.schedule!r} updates each stage's weights after every micro-batch, "
-                          f"which a training step with one optimizer update does not do; use gpipe, 1f1b, "
-                          f"eager-1f1b or interleaved-1f1b here, or pipeline.pipedream_train "
-                          f"(examples/pipedream.py) and stream.PipeDreamStream (no flush) outside the Trainer")
     stacked, _ = split.split(nnx.to_pure_dict(state.abstract))
     pipeline_lib.layers_per_chunk(pipeline_lib.stacked_layers(stacked), schedule)
+    if schedule.asynchronous:
+        pipedream.check(layout, state, batch)
+        return split, schedule, pipeline_lib.lower(schedules.one_f_one_b(stages, cfg.microbatches))
     return split, schedule, pipeline_lib.lower(schedule)
 
 

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 
 class TrainState(NamedTuple):
     params: Any  # pure dict of arrays, shaped like the model's nnx.State
-    opt_state: Any
+    opt_state: Any  # (None under PipeDream: each stage's optimizer state is in ``stream``)
     step: jax.Array
+    stream: Any = None  # PipeDream's pipeline between steps (``train/pipedream.py``); None otherwise
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -41,10 +42,14 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
     )
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW at ``learning_rate_schedule``. (Clipping by the global gradient norm,
+def make_optimizer(cfg: TrainConfig, updates_per_step: int = 1) -> optax.GradientTransformation:
+    """AdamW at ``learning_rate_schedule``, read in steps of ``updates_per_step`` updates
+    (PipeDream updates a stage once per micro-batch). (Clipping by the global gradient norm,
     ``cfg.clip_norm``, is done by the step itself, where the gradient shards are reduced.)"""
-    return optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    rate = learning_rate_schedule(cfg)
+    if updates_per_step > 1:
+        rate = lambda count, rate=rate: rate(count // updates_per_step)  # noqa: E731
+    return optax.adamw(rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
 
 
 def abstract_model(model_fn: Callable[[nnx.Rngs], nnx.Module]):

@@ -39,6 +39,7 @@ from jaxpar.train import check as check_lib
 from jaxpar.train import grad_sync, gspmd, partial_sums, reductions, remat
 from jaxpar.train.accumulate import accumulate, local_microbatches
 from jaxpar.train.config import TrainConfig
+from jaxpar.train.pipedream import PipeDreamStep
 from jaxpar.train.plan import Plan, check_calls, make_plan
 from jaxpar.train.state import TrainState
 
@@ -76,11 +77,7 @@ class Trainer:
     opt_specs = _Part("sharded_state")
     opt_specs_by_param = _Part("sharded_state")
     grad_specs_by_param = _Part("sharded_state")
-    state_shardings = _Part("sharded_state")
-    init = _Part("sharded_state")
-    start_from = _Part("sharded_state")
     init_programs = _Part("sharded_state")
-    abstract_state = _Part("sharded_state")
     init_shapes = _Part("sharded_state")
     abstract_leaf = _Part("sharded_state")
     merge = _Part("sharded_state")
@@ -109,8 +106,32 @@ class Trainer:
         self.plan = plan  # every decision; replaced once, when the path is decided
         self.layout, self.model_fn, self.loss_fn, self.cfg, self.optimizer = plan.layout, plan.model_fn, plan.loss_fn, plan.cfg, plan.optimizer
         self.sharded_state, self.placement = plan.sharded_state, plan.placement
+        asynchronous = plan.schedule is not None and plan.schedule.asynchronous
+        self.pipedream = PipeDreamStep(plan) if asynchronous else None  # the step is a PipeDream window
         self._step = None
         self._sums_checked = False  # the forward pass is searched for unfinished partial sums once
+
+    # --- the state: the layout's (state.py), with PipeDream's pipeline between steps ----------
+
+    @property
+    def state_shardings(self) -> TrainState:
+        shardings = self.sharded_state.state_shardings
+        return shardings if self.pipedream is None else self.pipedream.state_shardings(shardings)
+
+    def init(self, seed: int = 0) -> TrainState:
+        """Sharded parameters and optimizer state; the same seed gives the same values on any layout."""
+        if self.pipedream is None:
+            return self.sharded_state.init(seed)
+        return self.pipedream.start(self.sharded_state.init_programs()[0](jax.random.key(seed)))
+
+    def start_from(self, params) -> TrainState:
+        """Step 0 with these parameters (laid out as the state's) and a fresh optimizer state."""
+        return self.sharded_state.start_from(params) if self.pipedream is None else self.pipedream.start(params)
+
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs with shardings: enough to compile a step without allocating anything."""
+        abstract = self.sharded_state.abstract_state()
+        return abstract if self.pipedream is None else self.pipedream.abstract_state(abstract)
 
     def choose_path(self, params, batch) -> str:
         """The plan's path (``plan.choose_path``), decided on the first call from ``params`` and ``batch``."""
@@ -316,6 +337,8 @@ class Trainer:
         (a Gemma-like model under data=8: 41 copies, temporaries 2.32 against 2.21 MB). Without
         donation the select is cheaper: the new state goes to fresh output buffers that XLA also
         lends to temporaries before they are written, which a cond's outputs never are."""
+        if self.pipedream is not None:
+            return self.pipedream.step_fn()
         grads_of = self.grad_fn()
 
         def update(params, opt_state, grads):

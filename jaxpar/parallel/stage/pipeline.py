@@ -383,6 +383,8 @@ class _Actions:
             carry["stash_edge"] = jax.tree.map(lambda b, w: _put(b, slot, w), carry["stash_edge"], carry["edge"])
             carry["versions"] = _put(carry["versions"], row["microbatch"], carry["updates"])
             return carry["params"], carry["edge"]
+        # (how many updates old those weights are: the staleness this stage trains with)
+        carry["staleness"] = jnp.maximum(carry["staleness"], carry["updates"] - _at(carry["versions"], row["microbatch"]))
         return (jax.tree.map(lambda b: _at(b, row["act_slot"]), carry["stash"]),
                 jax.tree.map(lambda b: _at(b, row["act_slot"]), carry["stash_edge"]))
 
@@ -412,6 +414,8 @@ class _Actions:
             carry["edge"], carry["edge_opt_state"] = _cond(ends, step, lambda w, g, state: (w, state),
                                                            carry["edge"], dedge, carry["edge_opt_state"])
             carry["updates"] = carry["updates"] + 1
+            squares = optax.tree.norm(dp, squared=True) + jnp.where(ends, optax.tree.norm(dedge, squared=True), 0.0)
+            carry["grad_norm"] = jnp.maximum(carry["grad_norm"], jnp.sqrt(squares))
         else:
             carry["grads"] = jax.tree.map(lambda a, g: a.at[j].add(g.astype(a.dtype)), carry["grads"], dp)
             carry["edge_grads"] = _cond(ends, lambda a, g: jax.tree.map(lambda a, g: a + g.astype(a.dtype), a, g),
@@ -422,8 +426,8 @@ def _initial_carry(actions: _Actions, program: Program, flows, axis: str):
     """The scan's carry before the first tick, all zeros: buffers of stored stage inputs (``acts``)
     and arrived gradients (``cots``), each with one scratch slot more than the program assigns;
     then the loss and float32 gradient accumulators, or for PipeDream the live weights, their
-    optimizer states, their per-slot stash, the update count and per micro-batch losses and
-    weight versions."""
+    optimizer states, their per-slot stash, the update count, per micro-batch losses and
+    weight versions, the largest norm of a gradient applied and the largest staleness read."""
     x0, stage_params, edge_params = actions.flow, actions.stage_params, actions.edge_params
     carry = {
         "acts": jnp.zeros((program.act_slots + 1, *x0.shape), x0.dtype),
@@ -438,7 +442,8 @@ def _initial_carry(actions: _Actions, program: Program, flows, axis: str):
             stash=jax.tree.map(lambda w: jnp.zeros((slots, *w.shape), w.dtype), stage_params),
             stash_edge=jax.tree.map(lambda w: jnp.zeros((slots, *w.shape), w.dtype), edge_params),
             updates=jnp.zeros((), jnp.int32), versions=jnp.zeros((num_microbatches,), jnp.int32),
-            losses=jnp.zeros((num_microbatches,), jnp.float32),
+            losses=jnp.zeros((num_microbatches,), jnp.float32), grad_norm=jnp.zeros((), jnp.float32),
+            staleness=jnp.zeros((), jnp.int32),
         )
     else:
         accumulator = lambda w: jnp.zeros(w.shape, jnp.float32)  # noqa: E731

@@ -8,7 +8,7 @@ a stage holds between calls — its weights and optimizer state, the inputs and 
 the micro-batches in flight, the gradients on their way back, the window's micro-batches — is
 the stream's state, a pytree carried from call to call (``init`` makes it, ``step`` returns it).
 
-The window's tables come from the schedule of 4m micro-batches (``_window``): the ticks from stage
+The window's tables come from the schedule of 4m micro-batches (``window_tables``): the ticks from stage
 0's forward of micro-batch m to its forward of 2m, checked to repeat in the next window. Buffer
 slots are given by micro-batch number modulo the slots a stage needs (the micro-batches live on a
 stage are consecutive), so they repeat too. In the first window the micro-batches before the
@@ -25,11 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxpar import marks
 from jaxpar.parallel.stage import schedules
 from jaxpar.parallel.stage.pipeline import (STAGE_AXIS, PipelineModel, Program, _Actions, _at, _check_pieces, _initial_carry,
-                                            _tick_fn, _typed_branches, check_microbatches, lower, stacked_layers)
+                                            _tick_fn, _typed_branches, check_microbatches, link_wait_seconds, lower,
+                                            stacked_layers)
 from jaxpar.parallel.stage.schedules import BACKWARD, FORWARD, IDLE, ScheduleError
-from jaxpar.rules import vary_over
+from jaxpar.rules import vary_over, varying_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,7 @@ class Window:
     reported: np.ndarray
 
 
-def _window(stages: int, microbatches: int, latency: int = 1) -> Window:
+def window_tables(stages: int, microbatches: int, latency: int = 1) -> Window:
     m = microbatches
     schedule = schedules.pipedream(stages, 4 * m, latency)
     program = lower(schedule)
@@ -101,6 +103,59 @@ def _resolve(rows: dict, window, m: int, act_slots: int, cot_slots: int) -> dict
                 recv_cot=slot(rows["recv_cot"] >= 0, rows["recv_cot"], cot_slots))
 
 
+def start(model, window: Window, params, edge, batch, optimizer, axis: str = STAGE_AXIS):
+    """Per device, inside a ``shard_map`` where ``axis`` is manual: the stream's carry before its
+    first micro-batch. ``params``: this device's one chunk (leaves (1, k, ...)); ``edge``: its
+    copy of the edge weights; ``batch``: one call's micro-batches (leaves (m, ...): shapes read)."""
+    edge = jax.tree.map(lambda e: vary_over(e, {axis}), edge)
+    two = jax.tree.map(lambda b: jnp.concatenate([b, b]), batch)
+    flow, flows = _check_pieces(model, params, edge, two, axis)
+    actions = _Actions(model, params, edge, two, flow, 1.0, optimizer)
+    carry = _initial_carry(actions, window.program, flows, axis)
+    carry.update(window=vary_over(jnp.zeros((), jnp.int32), {axis}),
+                 previous=jax.tree.map(lambda b: vary_over(jnp.zeros_like(b), varying_axes(b) | {axis}), batch))
+    return carry
+
+
+def advance(model, window: Window, carry, batch, optimizer, *, loss_scale=1.0, axis: str = STAGE_AXIS, link=None):
+    """Per device, as ``start``: (the carry after one call's window, this device's losses of the
+    micro-batches ``window.reported`` (non-zero on the last stage only; summed over ``axis`` they
+    are the losses), their numbers in the stream (negative: before its start)). Each backward's
+    gradient is that of ``loss_scale`` times its micro-batch's loss; ``carry["grad_norm"]`` is
+    the largest norm of the gradients the window applied on this device. ``link``: as
+    ``run_schedule``'s (slow links, for real)."""
+    m, program = window.microbatches, window.program
+    here = jax.lax.axis_index(axis)
+    carry = dict(carry)
+    both = jax.tree.map(lambda p, b: jnp.concatenate([p, b]), carry.pop("previous"), batch)
+    calls = carry.pop("window")
+    carry["grad_norm"] = jnp.zeros_like(carry["grad_norm"])
+    flow, _ = _check_pieces(model, carry["params"], carry["edge"], both, axis)
+    actions = _Actions(model, carry["params"], carry["edge"], both, flow, loss_scale, optimizer)
+    table = {name: jnp.asarray(col) for name, col in program.columns().items()}
+    example = {name: _at(col[0], here) for name, col in table.items()}
+    raw = [actions.branch(IDLE)] + [_each_of(actions.branch(kind), m, 2 * m) for kind in (FORWARD, BACKWARD)]
+    branches, carry = _typed_branches(raw, carry, example)
+    tick = _tick_fn(branches, here, axis, program, link_wait_seconds(flow, link))
+    carry, _ = jax.lax.scan(lambda c, rows: tick(c, _resolve(rows, calls, m, program.act_slots, program.cot_slots)),
+                            carry, table)
+    losses = jnp.where(here == program.kind.shape[1] - 1, carry["losses"][window.reported], 0.0)
+    shift = lambda x: jnp.concatenate([x[m:], jnp.zeros_like(x[m:])])  # noqa: E731  (the next call's numbering)
+    carry.update(losses=shift(carry["losses"]), versions=shift(carry["versions"]), window=calls + 1,
+                 previous=jax.tree.map(lambda b: vary_over(b, varying_axes(b) | {axis}), batch))
+    numbers = jax.lax.pmax(calls, axis) * m + jnp.asarray(window.reported) - m
+    return carry, losses, numbers
+
+
+def _each_of(branch, runs: int, ticks: int):
+    """``branch`` named as taken on ``runs`` of the window's ``ticks`` (a stage runs m forwards and m
+    backwards in its 2m ticks), for ``analysis/hlo.py`` to count the collectives inside it."""
+    def named(carry, row):
+        with jax.named_scope(marks.branch_runs(runs, ticks)):
+            return branch(carry, row)
+    return named
+
+
 class PipeDreamStream:
     """PipeDream (asynchronous 1F1B, weight stashing, an ``optimizer`` step on a stage after each of
     its backwards) over an endless stream of micro-batches on ``mesh`` (manual over ``stage``,
@@ -114,7 +169,7 @@ class PipeDreamStream:
         if STAGE_AXIS not in mesh.axis_names:
             raise ScheduleError("a PipeDream stream runs over the mesh's stage axis; give the mesh stage=S")
         self.mesh, self.stages, self.optimizer = mesh, int(mesh.shape[STAGE_AXIS]), optimizer
-        self.window = _window(self.stages, microbatches, latency)
+        self.window = window_tables(self.stages, microbatches, latency)
         self.model = PipelineModel(first_fn, stage_fn, last_fn)
         self._step = None
 
@@ -133,13 +188,7 @@ class PipeDreamStream:
 
         def body(params, edge, batch):
             params = jax.tree.map(lambda x: x[None], params)  # (one chunk a stage)
-            edge = jax.tree.map(lambda e: vary_over(e, {STAGE_AXIS}), edge)
-            two = jax.tree.map(lambda b: jnp.concatenate([b, b]), batch)
-            flow, flows = _check_pieces(self.model, params, edge, two, STAGE_AXIS)
-            actions = _Actions(self.model, params, edge, two, flow, 1.0, self.optimizer)
-            carry = _initial_carry(actions, self.window.program, flows, STAGE_AXIS)
-            carry.update(window=vary_over(jnp.zeros((), jnp.int32), {STAGE_AXIS}),
-                         previous=jax.tree.map(lambda b: vary_over(jnp.zeros_like(b), {STAGE_AXIS}), batch))
+            carry = start(self.model, self.window, params, edge, batch, self.optimizer)
             return jax.tree.map(lambda x: x[None], carry)
 
         stage_spec = jax.tree.map(lambda _: PartitionSpec(STAGE_AXIS), stage_params)
@@ -155,33 +204,14 @@ class PipeDreamStream:
         (negative: before the stream's start, its loss 0)."""
         check_microbatches(batch, self.microbatches)
         if self._step is None:
-            self._step = self._compile(state, batch)
+            self._step = self._compile(batch)
         return self._step(state, batch)
 
-    def _compile(self, state, batch):
-        window, m, S = self.window, self.microbatches, self.stages
-        program = window.program
-
+    def _compile(self, batch):
         def body(carry, batch):
             carry = jax.tree.map(lambda x: x[0], carry)
-            here = jax.lax.axis_index(STAGE_AXIS)
-            both = jax.tree.map(lambda p, b: jnp.concatenate([p, b]), carry.pop("previous"), batch)
-            calls = carry.pop("window")
-            flow, _ = _check_pieces(self.model, carry["params"], carry["edge"], both, STAGE_AXIS)
-            actions = _Actions(self.model, carry["params"], carry["edge"], both, flow, 1.0, self.optimizer)
-            table = {name: jnp.asarray(col) for name, col in program.columns().items()}
-            example = {name: _at(col[0], here) for name, col in table.items()}
-            branches, carry = _typed_branches([actions.branch(kind) for kind in (IDLE, FORWARD, BACKWARD)], carry, example)
-            tick = _tick_fn(branches, here, STAGE_AXIS, program)
-            carry, _ = jax.lax.scan(lambda c, rows: tick(c, _resolve(rows, calls, m, program.act_slots, program.cot_slots)),
-                                    carry, table)
-            last = here == S - 1
-            losses = jax.lax.psum(jnp.where(last, carry["losses"][window.reported], 0.0), STAGE_AXIS)
-            shift = lambda x: jnp.concatenate([x[m:], jnp.zeros_like(x[m:])])  # noqa: E731  (the next call's numbering)
-            carry.update(losses=shift(carry["losses"]), versions=shift(carry["versions"]), window=calls + 1,
-                         previous=jax.tree.map(lambda b: vary_over(b, {STAGE_AXIS}), batch))
-            numbers = jax.lax.pmax(calls, STAGE_AXIS) * m + jnp.asarray(window.reported) - m
-            return jax.tree.map(lambda x: x[None], carry), losses, numbers
+            carry, losses, numbers = advance(self.model, self.window, carry, batch, self.optimizer)
+            return jax.tree.map(lambda x: x[None], carry), jax.lax.psum(losses, STAGE_AXIS), numbers
 
         replicated = jax.tree.map(lambda _: PartitionSpec(), batch)
         return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(PartitionSpec(STAGE_AXIS), replicated),
