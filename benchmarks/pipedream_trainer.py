@@ -27,7 +27,7 @@ from jaxpar.run import RunConfig, run_training  # noqa: E402
 from jaxpar.topology import load_topology  # noqa: E402
 from jaxpar.train.config import TrainConfig  # noqa: E402
 
-GRIDS = {"1f1b": (3e-3, 1e-2), "pipedream": (3e-4, 1e-3, 3e-3)}
+GRIDS = {"1f1b": (3e-3, 1e-2, 3e-2), "pipedream": (1e-3, 3e-3, 1e-2)}
 
 
 def step_units(name: str, stages: int, m: int, send: float) -> float:

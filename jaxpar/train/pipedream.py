@@ -15,7 +15,8 @@ weights over ``stage`` per step.
 
 The layouts: ``stage`` with batch axes that store weights whole (``data``): each stage's weights
 are whole on its devices, so an update is the optimizer on the stage's gradient, summed over the
-batch axes as the backward runs (shard_map's transpose of the weights' use by each device's rows).
+batch axes in ``grad_reduce_dtype`` (each backward differentiates at weights made to vary over
+them; left to shard_map's transpose, the sum would run in the compute dtype).
 Clipping (``clip_norm``) clips each update by its own norm: a stage's layers, and an end's edge copy.
 """
 
@@ -146,8 +147,9 @@ class PipeDreamStep:
         context, kernel = self._context()
         with context, kernel:
             owners = self._edge_owners(carry, micro)
-            carry, losses, numbers = stream_lib.advance(split.pieces, self.window, carry, micro, self.optimizer,
-                                                        loss_scale=1.0 / layout.loss_shards, link=link)
+            carry, losses, numbers = stream_lib.advance(
+                split.pieces, self.window, carry, micro, self.optimizer, loss_scale=1.0 / layout.loss_shards, link=link,
+                batch_axes=tuple(layout.batch_axes), reduce_dtype=jnp.dtype(self.cfg.grad_reduce_dtype))
         live = jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), carry.pop("params"))
         here = jax.lax.axis_index(STAGE_AXIS)
         view = jax.tree.map(lambda copy, owner: jax.lax.psum(jnp.where(here == owner, copy, jnp.zeros_like(copy)), STAGE_AXIS),

@@ -329,6 +329,11 @@ class _Actions:
     flow: Any
     loss_scale: Any
     optimizer: Any  # None: synchronous; an optax GradientTransformation: PipeDream's, stepped after each backward
+    # PipeDream with batch axes: a backward differentiates at weights made to vary over them, and
+    # its gradients are summed over them in this dtype before the update (not in the compute dtype
+    # a transpose would sum in)
+    batch_axes: tuple = ()
+    reduce_dtype: Any = jnp.float32
 
     @property
     def asynchronous(self) -> bool:
@@ -398,6 +403,8 @@ class _Actions:
         """Gradients (chunk, edge, input) of a backward: recompute the forward from the stored input
         (no residuals are kept between ticks) and pull through it the gradient that arrived from
         the next device, or, on the last virtual stage, ``loss_scale`` on the loss."""
+        if self.batch_axes:
+            p, edge = (jax.tree.map(lambda w: vary_over(w, set(self.batch_axes)), t) for t in (p, edge))
         (y, loss), pull = jax.vjp(action, p, edge, x)
         dy = jnp.where(last, jnp.zeros_like(y), vary_over(_at(carry["cots"], row["cot_slot"]), varying_axes(y)))
         dloss = jnp.where(last, jnp.asarray(self.loss_scale, loss.dtype), jnp.zeros_like(loss))
@@ -409,17 +416,24 @@ class _Actions:
         of the edge weights on the first and the last stage."""
         if self.asynchronous:
             step = lambda w, g, state: _optimizer_step(self.optimizer, w, g, state)  # noqa: E731
-            dp = jax.tree.map(lambda g: g[None], dp)  # (PipeDream runs one chunk per stage: j is 0)
+            dp = self._batch_sum(jax.tree.map(lambda g: g[None], dp))  # (PipeDream runs one chunk per stage: j is 0)
+            nothing = lambda g: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), g)  # noqa: E731  (not summed)
+            dedge = _cond(ends, self._batch_sum, nothing, dedge)
             carry["params"], carry["opt_state"] = step(carry["params"], dp, carry["opt_state"])
             carry["edge"], carry["edge_opt_state"] = _cond(ends, step, lambda w, g, state: (w, state),
                                                            carry["edge"], dedge, carry["edge_opt_state"])
             carry["updates"] = carry["updates"] + 1
-            squares = optax.tree.norm(dp, squared=True) + jnp.where(ends, optax.tree.norm(dedge, squared=True), 0.0)
-            carry["grad_norm"] = jnp.maximum(carry["grad_norm"], jnp.sqrt(squares))
+            norm = jnp.sqrt(optax.tree.norm(dp, squared=True) + optax.tree.norm(dedge, squared=True))
+            carry["grad_norm"] = jnp.maximum(carry["grad_norm"], norm)
         else:
             carry["grads"] = jax.tree.map(lambda a, g: a.at[j].add(g.astype(a.dtype)), carry["grads"], dp)
             carry["edge_grads"] = _cond(ends, lambda a, g: jax.tree.map(lambda a, g: a + g.astype(a.dtype), a, g),
                                         lambda a, g: a, carry["edge_grads"], dedge)
+
+    def _batch_sum(self, grads):
+        if not self.batch_axes:
+            return grads
+        return jax.tree.map(lambda g: jax.lax.psum(g.astype(self.reduce_dtype), self.batch_axes).astype(g.dtype), grads)
 
 
 def _initial_carry(actions: _Actions, program: Program, flows, axis: str):

@@ -117,13 +117,15 @@ def start(model, window: Window, params, edge, batch, optimizer, axis: str = STA
     return carry
 
 
-def advance(model, window: Window, carry, batch, optimizer, *, loss_scale=1.0, axis: str = STAGE_AXIS, link=None):
+def advance(model, window: Window, carry, batch, optimizer, *, loss_scale=1.0, axis: str = STAGE_AXIS, link=None,
+            batch_axes: tuple = (), reduce_dtype=jnp.float32):
     """Per device, as ``start``: (the carry after one call's window, this device's losses of the
     micro-batches ``window.reported`` (non-zero on the last stage only; summed over ``axis`` they
     are the losses), their numbers in the stream (negative: before its start)). Each backward's
     gradient is that of ``loss_scale`` times its micro-batch's loss; ``carry["grad_norm"]`` is
     the largest norm of the gradients the window applied on this device. ``link``: as
-    ``run_schedule``'s (slow links, for real)."""
+    ``run_schedule``'s (slow links, for real); ``batch_axes``: the axes each update's gradient is
+    summed over, in ``reduce_dtype``, the rows being split over them (the weights alike on them)."""
     m, program = window.microbatches, window.program
     here = jax.lax.axis_index(axis)
     carry = dict(carry)
@@ -131,7 +133,7 @@ def advance(model, window: Window, carry, batch, optimizer, *, loss_scale=1.0, a
     calls = carry.pop("window")
     carry["grad_norm"] = jnp.zeros_like(carry["grad_norm"])
     flow, _ = _check_pieces(model, carry["params"], carry["edge"], both, axis)
-    actions = _Actions(model, carry["params"], carry["edge"], both, flow, loss_scale, optimizer)
+    actions = _Actions(model, carry["params"], carry["edge"], both, flow, loss_scale, optimizer, batch_axes, reduce_dtype)
     table = {name: jnp.asarray(col) for name, col in program.columns().items()}
     example = {name: _at(col[0], here) for name, col in table.items()}
     raw = [actions.branch(IDLE)] + [_each_of(actions.branch(kind), m, 2 * m) for kind in (FORWARD, BACKWARD)]
