@@ -116,8 +116,9 @@ def format_summary(report: dict) -> str:
     table = report["memory"]["zero_table_bytes_per_device"]
     for kind in ("parameters", "gradient_accumulation", "optimizer"):
         lines.append(f"  {kind:22s} {gib(measured[kind])}  {gib(table[kind])}")
-    for kind in ("temporaries", "arguments", "generated_code"):
-        lines.append(f"  {kind:22s} {gib(measured[kind])}")
+    for kind in ("pipedream_stream", "temporaries", "arguments", "generated_code"):
+        if kind in measured:  # (PipeDream's stashes and micro-batches in flight: only under --schedule pipedream)
+            lines.append(f"  {kind:22s} {gib(measured[kind])}")
     lines += ["", "collectives per step       count   bytes/device        optimum   ratio"]
     comm = report["communication"]
     for kind, row in comm.items():

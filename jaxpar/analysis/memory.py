@@ -119,7 +119,7 @@ def measured_memory(trainer, compiled_step) -> dict[str, int]:
     opt_bytes = opt.memory_analysis().output_size_in_bytes
     # optax keeps a step counter per state; it is not part of the per-parameter table
     opt_bytes -= sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_state().opt_state) if x.ndim == 0)
-    return {
+    measured = {
         "parameters": params.memory_analysis().output_size_in_bytes,
         "optimizer": opt_bytes,
         "gradient_accumulation": trainer.plan.accumulator_bytes,
@@ -128,3 +128,7 @@ def measured_memory(trainer, compiled_step) -> dict[str, int]:
         "outputs": step.output_size_in_bytes,
         "generated_code": step.generated_code_size_in_bytes,
     }
+    if trainer.pipedream is not None:  # each stage's optimizer state is in the stream, and no gradient is accumulated
+        held = trainer.pipedream.stream_bytes(trainer.abstract_state().stream)
+        measured.update(optimizer=held["optimizer"], gradient_accumulation=0, pipedream_stream=held["stream"])
+    return measured

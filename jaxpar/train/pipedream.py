@@ -22,6 +22,8 @@ Clipping (``clip_norm``) clips each update by its own norm: a stage's layers, an
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -172,6 +174,13 @@ class PipeDreamStep:
         owners = [S - 1 if id(v) in read else 0 for v in traced.jaxpr.invars]
         return jax.tree.unflatten(jax.tree.structure(carry["edge"]), owners)
 
+    def stream_bytes(self, stream) -> dict[str, int]:
+        """Per device, of a stream (abstract or live): the stages' optimizer states, and the rest
+        (the edge copies, the weights and inputs stashed for the micro-batches in flight, the
+        gradients on their way back, the window's micro-batches)."""
+        optimizer = _shard_bytes((stream["opt_state"], stream["edge_opt_state"]))
+        return {"optimizer": optimizer, "stream": _shard_bytes(stream) - optimizer}
+
     def report(self, state: TrainState) -> dict:
         """The schedule's figures for the run's report: per stage, the weight versions it keeps
         and the largest staleness it trained with (updates between a micro-batch's forward and its
@@ -181,6 +190,10 @@ class PipeDreamStep:
         return {"schedule": "pipedream", "stages": S, "microbatches_per_step": self.window.microbatches,
                 "weight_versions_kept": [S - s for s in range(S)], "staleness": staleness,
                 "staleness_formula": [S - s - 1 for s in range(S)]}
+
+
+def _shard_bytes(tree) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _chunk(stacked):
