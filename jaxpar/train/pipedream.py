@@ -26,6 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -186,7 +187,9 @@ class PipeDreamStep:
         and the largest staleness it trained with (updates between a micro-batch's forward and its
         backward there), as measured in the stream."""
         S = self.plan.schedule.stages
-        staleness = jax.device_get(state.stream["staleness"]).tolist()
+        # (gathered to every device first: a stage's devices may belong to another process)
+        everywhere = jax.jit(lambda x: x, out_shardings=NamedSharding(self.layout.mesh, PartitionSpec()))
+        staleness = np.asarray(everywhere(state.stream["staleness"]).addressable_data(0)).tolist()
         return {"schedule": "pipedream", "stages": S, "microbatches_per_step": self.window.microbatches,
                 "weight_versions_kept": [S - s for s in range(S)], "staleness": staleness,
                 "staleness_formula": [S - s - 1 for s in range(S)]}
