@@ -10,6 +10,9 @@ version. The same stream is also run as a single-device simulation of those stal
 (``pipeline.simulate_pipedream``) and with no staleness at all (plain SGD, one micro-batch at a
 time), for comparison. Exits with an error if the staleness is not S-s-1, if a stage trained with
 other weight versions than the schedule's, or if the losses leave the simulation's.
+
+This is the low-level API over one finite stream; to train with PipeDream, checkpoints and all,
+``jaxpar train --strategy "stage=4,data=2" --schedule pipedream --microbatches 8``.
 """
 import argparse
 import os
