@@ -411,7 +411,8 @@ def check_same_function(run: RunConfig, cfg, strategy: Strategy, directory: str,
     """Refuse to resume a checkpoint as another function of the same weights than it was trained
     as (the arrays' shapes do not tell): another model, another config of its family
     (``Family.changed``: a BD3-LM's blocks or window), another function by a strategy
-    (``changed`` of the strategies: delayed TP on or off). Reads only the checkpoint's meta."""
+    (``changed`` of the strategies: delayed TP on or off), PipeDream's state against a synchronous
+    schedule's. Reads only the checkpoint's meta."""
     where, afresh = f"checkpoint {meta['step']} in {directory}", "or choose another --checkpoint-dir to train afresh"
     if meta.get("model") != model_name(run):
         raise JaxparError(f"{where} holds model {meta.get('model')}, and this run is --model {model_name(run)}: pass --model "
@@ -421,6 +422,13 @@ def check_same_function(run: RunConfig, cfg, strategy: Strategy, directory: str,
         raise JaxparError(f"{where} was trained with --tokenizer {saved['spec']} ({saved['identity'][:30]}), and this run's "
                           f"--tokenizer {spec} is another: its ids would mean other text. Pass --tokenizer "
                           f"{saved['spec']}, {afresh}")
+    saved_streaming = any(path.startswith("stream/") for path in meta.get("arrays", {}))
+    if saved_streaming != (run.train.schedule == "pipedream"):  # (PipeDream's state: the pipeline in flight)
+        raise JaxparError(f"{where} was saved {'under' if saved_streaming else 'without'} --schedule pipedream, whose state "
+                          f"holds each stage's optimizer state and the micro-batches in flight, and this run is "
+                          f"--schedule {run.train.schedule}: resume it {'with' if saved_streaming else 'without'} --schedule "
+                          f"pipedream, start another --checkpoint-dir from its weights with --init-from {directory} (a fresh optimizer "
+                          f"state), {afresh}")
     family = family_of(cfg)
     why = family.changed(cfg, meta, {option: getattr(run, option) for option in family.options})
     why = why or parallel.changed(parse_strategy(meta["strategy"], meta["devices"]), strategy)

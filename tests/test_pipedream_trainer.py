@@ -3,15 +3,18 @@ its layers stacked by nnx.vmap and run by nnx.scan, an optax loss) under stage=2
 as the single-device simulation of the same never-flushed stream (``pipeline.simulate_pipedream``,
 PipeDream from its definition), and a checkpoint taken between steps holds the micro-batches in
 flight: the step after a restore is the step that would have followed, bitwise."""
+import dataclasses
+
 import jax
 import numpy as np
 import optax
 import pytest
 
-from jaxpar.errors import LayoutError
+from jaxpar.errors import JaxparError, LayoutError
 from jaxpar.parallel import build_layout, parse_strategy
 from jaxpar.parallel.stage import pipeline as pl
 from jaxpar.parallel.stage.schedules import ScheduleError
+from jaxpar.run import RunConfig, check_same_function
 from jaxpar.train.checkpoint import CheckpointConfig, Checkpointer
 from jaxpar.train.state import abstract_model
 from jaxpar.train.step import TrainConfig, Trainer
@@ -95,3 +98,18 @@ def test_trainer_pipedream_refuses_what_it_does_not_run():
     with pytest.raises(ScheduleError, match=r"pipedream with 2 micro-batches on 4 stages"):
         layout = build_layout(parse_strategy("stage=4", 4), jax.devices()[:4], aliases=ALIASES)
         Trainer(layout, model_fn, user_loss, TrainConfig(schedule="pipedream", microbatches=2), batch=batch)
+
+
+def test_a_checkpoint_is_resumed_under_the_kind_of_schedule_it_was_saved_with():
+    """From the checkpoint's meta, before any array is read: PipeDream's state (its pipeline in
+    flight, each stage's optimizer state) against a synchronous schedule's, both ways, with the fix."""
+    saved = {"step": 6, "model": "tiny", "strategy": "stage=2,data=4", "devices": 8,
+             "arrays": {"params/embed": [[64, 32], "float32"], "stream/edge/embed": [[2, 64, 32], "float32"]}}
+    synchronous = RunConfig(model="tiny", strategy="stage=2,data=4", train=TrainConfig(schedule="1f1b", microbatches=4))
+    with pytest.raises(JaxparError, match=r"saved under --schedule pipedream.*resume it with --schedule pipedream, "
+                                          r"start another --checkpoint-dir from its weights with --init-from runs/x"):
+        check_same_function(synchronous, None, None, "runs/x", saved)
+    flushed = dict(saved, arrays={"params/embed": [[64, 32], "float32"], "opt_state/0/mu/embed": [[64, 32], "float32"]})
+    streaming = dataclasses.replace(synchronous, train=TrainConfig(schedule="pipedream", microbatches=4))
+    with pytest.raises(JaxparError, match=r"saved without --schedule pipedream.*resume it without --schedule pipedream"):
+        check_same_function(streaming, None, None, "runs/x", flushed)
