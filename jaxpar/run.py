@@ -643,7 +643,7 @@ def run_training(
             board.close()
         raise
     report_progress("evaluating", steps.done)
-    held_out_loss, batch_report = _at_the_end(trainer, family, compiled, state, steps, batch_of(held, 0))
+    held_out_loss, batch_report = _at_the_end(trainer, family, compiled, state, steps, batch_of(held, 0), evaluate)
     if board:
         if not steps.held_out or steps.held_out[-1][0] != steps.done:  # (--eval-every wrote this step's already)
             board.add(steps.done, {"eval/held_out_loss": held_out_loss})
@@ -655,7 +655,7 @@ def run_training(
     return _report(run, topology, trainer, strategy, cfg, start, steps, held_out_loss, model_length, analysis, ckpt)
 
 
-def _at_the_end(trainer: Trainer, family, compiled, state, steps: _Steps, batch) -> tuple[float | None, dict]:
+def _at_the_end(trainer: Trainer, family, compiled, state, steps: _Steps, batch, evaluate=None) -> tuple[float | None, dict]:
     """(held-out loss on ``batch``, the family's batch report) after training; (None, {}) when
     the run was interrupted, which stops without the evaluation."""
     if steps.interrupted:
@@ -666,7 +666,7 @@ def _at_the_end(trainer: Trainer, family, compiled, state, steps: _Steps, batch)
         # the batch from the host: the forward runs as XLA partitions it from the weights' layout
         report["batch_report"] = family.batch_report(trainer.merge(state.params), jax.device_get(batch), split)
     if trainer.pipedream is not None:  # its step's loss is that of the micro-batches in flight, at stale weights
-        return _scalar(trainer.jit_loss(batch)(state.params, batch)), report
+        return (evaluate(state.params) if evaluate else _scalar(trainer.jit_loss(batch)(state.params, batch))), report
     # the compiled step's loss is the loss at the weights it is given (before its update): one
     # more call of it on a held-out batch, whose updated state is dropped, costs no compile
     return _scalar(compiled(state, batch)[1]["loss"]), report

@@ -18,11 +18,11 @@ are whole on its devices, so an update is the optimizer on the stage's gradient,
 batch axes in ``grad_reduce_dtype`` (each backward differentiates at weights made to vary over
 them; left to shard_map's transpose, the sum would run in the compute dtype).
 Clipping (``clip_norm``) clips each update by its own norm: a stage's layers, and an end's edge copy.
+An optimizer's step count counts updates, m a step: the one ``TrainConfig`` makes reads its
+learning-rate schedule at count // m (``make_optimizer``); one given to the Trainer is used as given.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ from jaxpar.parallel.stage import stream as stream_lib
 from jaxpar.parallel.stage.pipeline import STAGE_AXIS
 from jaxpar.rules import Layout, use_layout, vary_over
 from jaxpar.train.accumulate import local_microbatches
-from jaxpar.train.state import TrainState
+from jaxpar.train.state import TrainState, bytes_per_device
 
 # the stream's entries the devices of a stage hold alike (weights and what follows them), and
 # those each device of a stage holds its own of (its rows' activations, gradients, losses, batch)
@@ -72,7 +72,7 @@ class PipeDreamStep:
         self.specs = {**{k: PartitionSpec(STAGE_AXIS) for k in _PER_STAGE},
                       **{k: PartitionSpec((STAGE_AXIS, *self.layout.batch_axes)) for k in _PER_DEVICE}}
         self.shardings = {k: NamedSharding(mesh, spec) for k, spec in self.specs.items()}
-        self._start = None
+        self._start, self._abstract_stream = None, None
 
     def _context(self):
         cfg = self.cfg
@@ -110,12 +110,13 @@ class PipeDreamStep:
     def abstract_state(self, abstract: TrainState) -> TrainState:
         """``abstract`` (the layout's state, no memory) with PipeDream's: no optimizer state outside
         the stream, and the stream's shapes and shardings."""
-        if self._start is None:
-            self._start = self._start_fn()
-        shapes = jax.eval_shape(self._start, abstract.params)
-        stream = {k: jax.tree.map(lambda v, k=k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.shardings[k]), tree)
-                  for k, tree in shapes.items()}
-        return TrainState(abstract.params, None, abstract.step, stream)
+        if self._abstract_stream is None:  # (a trace of the model: made once)
+            if self._start is None:
+                self._start = self._start_fn()
+            shapes = jax.eval_shape(self._start, abstract.params)
+            self._abstract_stream = {k: jax.tree.map(lambda v, k=k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.shardings[k]),
+                                                     tree) for k, tree in shapes.items()}
+        return TrainState(abstract.params, None, abstract.step, self._abstract_stream)
 
     def state_shardings(self, shardings: TrainState) -> TrainState:
         return TrainState(shardings.params, None, shardings.step, self.shardings)
@@ -179,8 +180,8 @@ class PipeDreamStep:
         """Per device, of a stream (abstract or live): the stages' optimizer states, and the rest
         (the edge copies, the weights and inputs stashed for the micro-batches in flight, the
         gradients on their way back, the window's micro-batches)."""
-        optimizer = _shard_bytes((stream["opt_state"], stream["edge_opt_state"]))
-        return {"optimizer": optimizer, "stream": _shard_bytes(stream) - optimizer}
+        optimizer = bytes_per_device((stream["opt_state"], stream["edge_opt_state"]))
+        return {"optimizer": optimizer, "stream": bytes_per_device(stream) - optimizer}
 
     def report(self, state: TrainState) -> dict:
         """The schedule's figures for the run's report: per stage, the weight versions it keeps
@@ -194,9 +195,6 @@ class PipeDreamStep:
                 "weight_versions_kept": [S - s for s in range(S)], "staleness": staleness,
                 "staleness_formula": [S - s - 1 for s in range(S)]}
 
-
-def _shard_bytes(tree) -> int:
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _chunk(stacked):

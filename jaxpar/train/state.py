@@ -52,6 +52,12 @@ def make_optimizer(cfg: TrainConfig, updates_per_step: int = 1) -> optax.Gradien
     return optax.adamw(rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
 
 
+def bytes_per_device(tree) -> int:
+    """Bytes one device holds of the arrays (or sharded ShapeDtypeStructs) of ``tree``, scalars
+    (optax's step counters) left out."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim)
+
+
 def abstract_model(model_fn: Callable[[nnx.Rngs], nnx.Module]):
     """(graphdef, abstract nnx.State) of the model: shapes and logical names, no memory."""
     with nnx.use_eager_sharding(False):
@@ -187,11 +193,7 @@ class ShardedState:
     def stored_bytes_per_device(self) -> dict[str, int]:
         """Weights and optimizer state one device stores, from the shardings the step uses."""
         state = self.abstract_state()
-
-        def total(tree):
-            return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim)
-
-        return {"parameters": total(state.params), "optimizer": total(state.opt_state)}
+        return {"parameters": bytes_per_device(state.params), "optimizer": bytes_per_device(state.opt_state)}
 
     def gathered_layer_bytes(self, itemsize: int, stored: bool = False) -> int:
         """Bytes per device of the stacked layer weights the layout gathers for compute (stored
